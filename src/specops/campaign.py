@@ -1,0 +1,267 @@
+"""The campaign directory: the single source of truth for every phase.
+
+    campaign/
+      campaign.toml     the resolved config, copied in at first use
+      manifest.json     phase states (pending | running | done | failed) with timestamps
+      run/              lock (flock), pid, heartbeat.json, runner.log
+      generate/<dataset>/records.jsonl failed.jsonl quarantine.jsonl stats.json
+
+Small files are replaced atomically (write to a temp file in the same directory, fsync, rename),
+so a reader never sees a torn manifest, stats or heartbeat file.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .config import Config, dump_toml
+from .errors import CampaignLocked, ConfigError
+
+PHASES = ("generate", "build", "extract", "train", "export", "eval")
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        _fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any, *, fsync: bool = True) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode(), fsync=fsync)
+
+
+def read_json(path: Path, default: Any = None) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        return default
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Campaign:
+    """Paths and manifest of one campaign directory."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root).resolve()
+
+    # ---------------------------------------------------------------- layout
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / "manifest.json"
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "campaign.toml"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def heartbeat_path(self) -> Path:
+        return self.run_dir / "heartbeat.json"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.run_dir / "pid"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.run_dir / "lock"
+
+    @property
+    def log_path(self) -> Path:
+        return self.run_dir / "runner.log"
+
+    def phase_dir(self, phase: str) -> Path:
+        assert phase in PHASES, phase
+        return self.root / ("drafter" if phase in ("train", "export") else phase)
+
+    def dataset_dir(self, dataset: str) -> Path:
+        return self.root / "generate" / dataset
+
+    # ---------------------------------------------------------------- create / open
+    @classmethod
+    def create_or_open(cls, cfg: Config) -> "Campaign":
+        """Open the config's campaign directory, creating it on first use.
+
+        The resolved config is copied in once. A rerun with a different config for the same
+        campaign is refused where it would change what was already generated (datasets' sources),
+        so a resume never mixes two campaigns in one journal.
+        """
+        camp = cls(cfg.campaign_dir())
+        camp.root.mkdir(parents=True, exist_ok=True)
+        camp.run_dir.mkdir(exist_ok=True)
+        resolved = cfg.to_dict()
+        manifest = camp.read_manifest()
+        if manifest is None:
+            atomic_write_bytes(camp.config_path, dump_toml(resolved).encode())
+            manifest = {
+                "specops_version": __version__,
+                "created": now_iso(),
+                "config": resolved,
+                "phases": {p: {"state": "pending"} for p in PHASES},
+                "events": [],
+            }
+            camp.write_manifest(manifest)
+        else:
+            old = {d["name"]: d for d in manifest.get("config", {}).get("datasets", [])}
+            for d in resolved.get("datasets", []):
+                prev = old.get(d["name"])
+                if prev is None:
+                    continue
+                for k in ("source", "path", "format", "turns", "system_prompt", "tools"):
+                    if prev.get(k) != d.get(k):
+                        raise ConfigError(
+                            f"datasets '{d['name']}'.{k}: differs from the campaign's recorded config "
+                            f"({prev.get(k)!r} -> {d.get(k)!r}); the existing records were made with the old "
+                            f"value. Use a new campaign directory or `specops reset generate --dataset {d['name']}`."
+                        )
+            if manifest.get("config") != resolved:
+                manifest["config"] = resolved
+                atomic_write_bytes(camp.config_path, dump_toml(resolved).encode())
+                camp.write_manifest(manifest)
+        return camp
+
+    # ---------------------------------------------------------------- manifest
+    def read_manifest(self) -> dict[str, Any] | None:
+        return read_json(self.manifest_path)
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        atomic_write_json(self.manifest_path, manifest)
+
+    def set_phase(self, phase: str, state: str, **extra: Any) -> None:
+        assert state in ("pending", "running", "done", "failed"), state
+        m = self.read_manifest() or {"phases": {}}
+        entry = m.setdefault("phases", {}).setdefault(phase, {})
+        entry["state"] = state
+        entry[f"{state}_at"] = now_iso()
+        entry.update(extra)
+        self.write_manifest(m)
+
+    def add_event(self, kind: str, **fields: Any) -> None:
+        """Append an audit event (e.g. a skipped preflight) to the manifest."""
+        m = self.read_manifest() or {}
+        m.setdefault("events", []).append({"at": now_iso(), "kind": kind, **fields})
+        self.write_manifest(m)
+
+
+class RunLock:
+    """Exclusive campaign lock: flock on run/lock plus run/pid for humans and `status`.
+
+    flock is released by the kernel when the holder dies, so a stale lock from a dead pid never
+    blocks a rerun; the pid file is only informational and is rewritten by the new holder.
+    """
+
+    def __init__(self, campaign: Campaign, purpose: str):
+        self.campaign = campaign
+        self.purpose = purpose
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        self.campaign.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.campaign.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            holder = read_json(self.campaign.pid_path, {}) or {}
+            who = f"pid {holder.get('pid', '?')} ({holder.get('purpose', '?')}, since {holder.get('started', '?')})"
+            raise CampaignLocked(
+                f"campaign {self.campaign.root} is in use by {who}; "
+                f"wait for it, or stop it with `specops stop {self.campaign.root}`"
+            ) from None
+        self._fd = fd
+        atomic_write_json(
+            self.campaign.pid_path,
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "purpose": self.purpose,
+                "started": now_iso(),
+                "started_unix": time.time(),
+            },
+        )
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            holder = read_json(self.campaign.pid_path, {}) or {}
+            if holder.get("pid") == os.getpid():
+                self.campaign.pid_path.unlink(missing_ok=True)
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def lock_holder(campaign: Campaign) -> dict[str, Any] | None:
+    """Who holds the lock now (pid info), or None. Probes flock, never greps process names."""
+    try:
+        fd = os.open(campaign.lock_path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        info = read_json(campaign.pid_path, {}) or {}
+        info["alive"] = bool(info.get("pid")) and pid_alive(int(info["pid"]))
+        return info
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

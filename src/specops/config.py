@@ -1,0 +1,372 @@
+"""campaign.toml: typed, validated at load, saved beside the campaign.
+
+Every section is a small dataclass. `load_config` checks unknown keys (with a suggestion), types,
+ranges and referenced files, and raises `ConfigError` naming the offending key, e.g.
+`datasets[1].limit: expected an integer, got 'ten'`.
+
+Paths in the file are resolved relative to the file's own directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from .errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class CampaignSection:
+    name: str = "campaign"
+    dir: str | None = None  # campaign directory; default: <config dir>/campaigns/<name>
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class TargetSection:
+    # A local HF model directory, a .gguf file, or the built-in name "smollm2" (the bundled model).
+    model: str = "smollm2"
+    # The model id the server must list in /v1/models; default: what `model` resolves to.
+    served_name: str | None = None
+    tokenizer: str | None = None  # default: the model's own
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
+
+
+@dataclass(kw_only=True)
+class EngineSection:
+    kind: Literal["local", "openai"] = "local"
+    # openai: base URLs ending in /v1; several = replicas, balanced by outstanding requests.
+    endpoints: list[str] = field(default_factory=list)
+    api_key_env: str | None = None  # name of the environment variable holding the key (never the key)
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 1800.0  # 8K tokens of reasoning take minutes; hangs are stall-detected
+    max_attempts: int = 6
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 60.0
+    return_token_ids: bool = True  # vLLM's `return_token_ids`; ignored by servers that lack it
+    # local engine
+    device: str = "auto"  # auto: cuda if available else cpu
+    batch_size: int = 8
+    max_model_len: int = 2048
+
+
+@dataclass(kw_only=True)
+class SamplingDefaults:
+    max_tokens: int = 1024
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(kw_only=True)
+class GenerateSection:
+    reasoning: Literal["save", "off"] = "save"
+    ordering: Literal["sequential", "interleaved"] = "sequential"
+    turns: Literal["all", "last"] = "all"  # regenerate every assistant turn, or only the last
+    concurrency: int = 64
+    max_tokens: int = 1024
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    system_prompt: str | None = None
+    fsync_interval_s: float = 1.0
+    heartbeat_interval_s: float = 2.0
+    # extra request-body fields for every request (e.g. {"chat_template_kwargs": {...}})
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class DatasetSection:
+    name: str
+    # A built-in source (sharegpt, bfcl, mtbench, humaneval, gsm8k, alpacaeval, spec_bench) or "file".
+    source: str = "file"
+    path: str | None = None  # file sources, and built-ins whose data the user points at
+    format: Literal["auto", "sharegpt", "messages", "prompt"] = "auto"
+    limit: int | None = None
+    concurrency: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    system_prompt: str | None = None
+    tools: str | None = None  # JSON file of OpenAI tool schemas sent with every sample
+    turns: Literal["all", "last"] | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Config:
+    campaign: CampaignSection = field(default_factory=CampaignSection)
+    target: TargetSection = field(default_factory=TargetSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    generate: GenerateSection = field(default_factory=GenerateSection)
+    datasets: list[DatasetSection] = field(default_factory=list)
+    source_path: Path | None = None  # where it was loaded from (not a TOML key)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source_path")
+        return _drop_none(d)
+
+    def campaign_dir(self) -> Path:
+        if self.campaign.dir:
+            return Path(self.campaign.dir)
+        base = self.source_path.parent if self.source_path else Path.cwd()
+        return base / "campaigns" / self.campaign.name
+
+    def sampling_for(self, ds: DatasetSection) -> SamplingDefaults:
+        g = self.generate
+        pick = lambda a, b: b if a is None else a  # noqa: E731
+        return SamplingDefaults(
+            max_tokens=pick(ds.max_tokens, g.max_tokens),
+            temperature=pick(ds.temperature, g.temperature),
+            top_p=pick(ds.top_p, g.top_p),
+            seed=pick(ds.seed, g.seed),
+        )
+
+    def concurrency_for(self, ds: DatasetSection) -> int:
+        return ds.concurrency if ds.concurrency is not None else self.generate.concurrency
+
+
+def _drop_none(obj: Any) -> Any:
+    # TOML has no null: omit None values when writing the resolved config back.
+    if isinstance(obj, dict):
+        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_none(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------- generic dataclass validation
+
+_BUILTIN_SOURCES = ("sharegpt", "bfcl", "mtbench", "humaneval", "gsm8k", "alpacaeval", "spec_bench")
+
+
+def _type_name(tp: Any) -> str:
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    if tp is bool:
+        return "true or false"
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin is list:
+        return "a list"
+    if origin is dict:
+        return "a table"
+    return str(tp)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return _coerce(value, args[0], key)
+        for a in args:
+            try:
+                return _coerce(value, a, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise AssertionError(f"unsupported config type {tp} at {key}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    where = prefix or "top level"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source_path"}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if k not in fields:
+            close = difflib.get_close_matches(k, list(fields), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(fields)})"
+            raise ConfigError(f"{key}: unknown key{hint}")
+        kwargs[k] = _coerce(v, hints[k], key)
+    for name, f in fields.items():
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in kwargs:
+            raise ConfigError(f"{prefix + '.' if prefix else ''}{name}: required key is missing")
+    return cls(**kwargs)
+
+
+def _check_positive(value: float | int | None, key: str, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _validate(cfg: Config) -> None:
+    base = cfg.source_path.parent if cfg.source_path else Path.cwd()
+
+    def resolve(p: str) -> str:
+        path = Path(os.path.expanduser(p))
+        return str(path if path.is_absolute() else (base / path).resolve())
+
+    if cfg.campaign.dir:
+        cfg.campaign.dir = resolve(cfg.campaign.dir)
+    t = cfg.target
+    if t.model != "smollm2":
+        t.model = resolve(t.model)
+        if not Path(t.model).exists():
+            raise ConfigError(f"target.model: not found: {t.model}")
+    if t.tokenizer:
+        t.tokenizer = resolve(t.tokenizer)
+        if not Path(t.tokenizer).exists():
+            raise ConfigError(f"target.tokenizer: not found: {t.tokenizer}")
+
+    e = cfg.engine
+    if e.kind == "openai":
+        if not e.endpoints:
+            raise ConfigError("engine.endpoints: required when engine.kind = 'openai'")
+        for i, url in enumerate(e.endpoints):
+            if not (url.startswith("http://") or url.startswith("https://")):
+                raise ConfigError(f"engine.endpoints[{i}]: expected an http(s) URL, got {url!r}")
+        e.endpoints = [u.rstrip("/") for u in e.endpoints]
+    if e.api_key_env is not None and not e.api_key_env.replace("_", "").isalnum():
+        raise ConfigError(
+            f"engine.api_key_env: expected the NAME of an environment variable, got {e.api_key_env!r}"
+        )
+    for k in ("connect_timeout_s", "read_timeout_s", "backoff_base_s", "backoff_max_s"):
+        _check_positive(getattr(e, k), f"engine.{k}")
+    for k in ("max_attempts", "batch_size", "max_model_len"):
+        _check_positive(getattr(e, k), f"engine.{k}")
+
+    g = cfg.generate
+    _check_positive(g.concurrency, "generate.concurrency")
+    _check_positive(g.max_tokens, "generate.max_tokens")
+    _check_positive(g.temperature, "generate.temperature", allow_zero=True)
+    _check_positive(g.fsync_interval_s, "generate.fsync_interval_s", allow_zero=True)
+    _check_positive(g.heartbeat_interval_s, "generate.heartbeat_interval_s")
+    if not 0 < g.top_p <= 1:
+        raise ConfigError(f"generate.top_p: must be in (0, 1], got {g.top_p}")
+
+    if not cfg.datasets:
+        raise ConfigError("datasets: at least one [[datasets]] entry is required")
+    seen: set[str] = set()
+    for i, ds in enumerate(cfg.datasets):
+        key = f"datasets[{i}]"
+        if not ds.name or "/" in ds.name or ds.name.startswith("."):
+            raise ConfigError(f"{key}.name: must be a non-empty name without '/', got {ds.name!r}")
+        if ds.name in seen:
+            raise ConfigError(f"{key}.name: duplicate dataset name {ds.name!r}")
+        seen.add(ds.name)
+        if ds.source != "file" and ds.source not in _BUILTIN_SOURCES:
+            raise ConfigError(
+                f"{key}.source: unknown source {ds.source!r} (expected 'file' or one of "
+                f"{', '.join(_BUILTIN_SOURCES)})"
+            )
+        if ds.source == "file" and not ds.path:
+            raise ConfigError(f"{key}.path: required when source = 'file'")
+        if ds.path:
+            ds.path = resolve(ds.path)
+            if not Path(ds.path).exists():
+                raise ConfigError(f"{key}.path: not found: {ds.path}")
+        if ds.tools:
+            ds.tools = resolve(ds.tools)
+            if not Path(ds.tools).is_file():
+                raise ConfigError(f"{key}.tools: not found: {ds.tools}")
+        _check_positive(ds.limit, f"{key}.limit")
+        _check_positive(ds.concurrency, f"{key}.concurrency")
+        _check_positive(ds.max_tokens, f"{key}.max_tokens")
+        _check_positive(ds.temperature, f"{key}.temperature", allow_zero=True)
+        if ds.top_p is not None and not 0 < ds.top_p <= 1:
+            raise ConfigError(f"{key}.top_p: must be in (0, 1], got {ds.top_p}")
+
+
+def config_from_dict(data: dict[str, Any], source_path: Path | None = None) -> Config:
+    data = dict(data)
+    cfg = _build(Config, data, "")
+    cfg.source_path = source_path.resolve() if source_path else None
+    _validate(cfg)
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    try:
+        with p.open("rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text: {e}") from e
+    return config_from_dict(data, p)
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """Serialise the resolved config back to TOML (the subset config_from_dict accepts)."""
+    import json
+
+    def val(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v, ensure_ascii=False)
+        if isinstance(v, list):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{json.dumps(k)} = {val(x)}" for k, x in v.items()) + "}"
+        raise TypeError(v)
+
+    out: list[str] = []
+    for section, body in data.items():
+        if isinstance(body, list):
+            for item in body:
+                out.append(f"[[{section}]]")
+                out.extend(f"{k} = {val(v)}" for k, v in item.items())
+                out.append("")
+        else:
+            out.append(f"[{section}]")
+            out.extend(f"{k} = {val(v)}" for k, v in body.items())
+            out.append("")
+    return "\n".join(out)

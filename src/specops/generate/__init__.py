@@ -1,0 +1,1 @@
+"""The generate phase: prompts -> target responses, journaled exactly once per sample id."""
