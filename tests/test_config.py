@@ -1,0 +1,86 @@
+"""campaign.toml validation: every mistake is one clear line naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specops.config import config_from_dict, dump_toml, load_config
+from specops.errors import ConfigError
+
+BASE = {"datasets": [{"name": "a", "source": "spec_bench"}]}
+
+
+def cfg(**sections):
+    d = {k: v for k, v in BASE.items()}
+    d.update(sections)
+    return config_from_dict(d)
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ({"datasets": [{"name": "a", "source": "spec_bench", "limt": 3}]}, "datasets[0].limt: unknown key (did you mean 'limit'?)"),
+        ({"datasets": [{"name": "a", "source": "spec_bench", "limit": "ten"}]}, "datasets[0].limit: expected an integer, got 'ten'"),
+        ({"datasets": [{"name": "a", "source": "spec_bench", "limit": 0}]}, "datasets[0].limit: must be > 0"),
+        ({"datasets": [{"name": "a", "source": "nope"}]}, "datasets[0].source: unknown source 'nope'"),
+        ({"datasets": [{"name": "a", "path": "/does/not/exist.jsonl"}]}, "datasets[0].path: not found"),
+        ({"datasets": [{"name": "a"}]}, "datasets[0].path: required when source = 'file'"),
+        ({"datasets": [{"source": "gsm8k"}]}, "datasets[0].name: required key is missing"),
+        ({"datasets": [{"name": "a", "source": "gsm8k"}, {"name": "a", "source": "gsm8k"}]}, "duplicate dataset name"),
+        ({"datasets": []}, "datasets: at least one"),
+        ({**BASE, "engine": {"kind": "openai"}}, "engine.endpoints: required"),
+        ({**BASE, "engine": {"kind": "vllm"}}, "engine.kind: expected one of 'local', 'openai', got 'vllm'"),
+        ({**BASE, "engine": {"kind": "openai", "endpoints": ["localhost:8000"]}}, "engine.endpoints[0]: expected an http(s) URL"),
+        ({**BASE, "engine": {"api_key_env": "sk-abc123 secret"}}, "engine.api_key_env: expected the NAME"),
+        ({**BASE, "generate": {"reasoning": "yes"}}, "generate.reasoning: expected one of 'save', 'off'"),
+        ({**BASE, "generate": {"top_p": 1.5}}, "generate.top_p: must be in (0, 1]"),
+        ({**BASE, "generate": {"concurrency": True}}, "generate.concurrency: expected an integer, got True"),
+        ({**BASE, "target": {"model": "/no/such/model"}}, "target.model: not found"),
+        ({**BASE, "bogus": {}}, "bogus: unknown key"),
+    ],
+)
+def test_errors_name_the_key(data, needle):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(data)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_defaults_and_overrides(tmp_path):
+    p = tmp_path / "c.toml"
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    p.write_text(
+        '[campaign]\nname = "x"\n[generate]\nmax_tokens = 64\nconcurrency = 4\n'
+        '[[datasets]]\nname = "p"\npath = "prompts.jsonl"\nmax_tokens = 8\n'
+        '[[datasets]]\nname = "q"\nsource = "gsm8k"\nconcurrency = 32\n'
+    )
+    c = load_config(p)
+    assert c.datasets[0].path == str(tmp_path / "prompts.jsonl")  # relative to the config file
+    assert c.sampling_for(c.datasets[0]).max_tokens == 8
+    assert c.sampling_for(c.datasets[1]).max_tokens == 64
+    assert c.concurrency_for(c.datasets[0]) == 4 and c.concurrency_for(c.datasets[1]) == 32
+    assert c.campaign_dir() == tmp_path / "campaigns" / "x"
+    # The resolved config round-trips through TOML.
+    again = config_from_dict(__import__("tomllib").loads(dump_toml(c.to_dict())))
+    assert again.to_dict() == c.to_dict()
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[campaign\nname=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_cli_prints_one_line_and_exits_nonzero(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[[datasets]]\nname = "a"\nsource = "gsm8k"\nlimit = "ten"\n')
+    out = subprocess.run([sys.executable, "-m", "specops", "generate", str(p)], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "ConfigError: datasets[0].limit: expected an integer, got 'ten'"

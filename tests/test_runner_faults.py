@@ -1,0 +1,119 @@
+"""Runner against a scripted loopback server: every id ends exactly once in records or failed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specops.config import config_from_dict
+from specops.generate import run_generate
+from specops.testing.fake_server import start_fake_server
+
+
+def write_prompts(path: Path, n: int, prefix: str = "p") -> list[str]:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"{prefix}{i}", "prompt": f"question number {i}?"}) + "\n")
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def make_cfg(tmp_path: Path, url: str, prompts: Path, **engine) -> object:
+    return config_from_dict(
+        {
+            "campaign": {"name": "t", "dir": str(tmp_path / "camp")},
+            "target": {"served_name": "fake-model"},
+            "engine": {"kind": "openai", "endpoints": [url], "max_attempts": 3, "backoff_base_s": 0.01,
+                       "backoff_max_s": 0.05, "read_timeout_s": 2.0, "connect_timeout_s": 1.0, **engine},
+            "generate": {"concurrency": 8, "max_tokens": 12, "heartbeat_interval_s": 0.2},
+            "datasets": [{"name": "ds", "path": str(prompts)}],
+        }
+    )
+
+
+SCRIPT = [
+    {"match": "^ds/p1$", "times": 2, "fault": "status", "status": 500, "message": "engine overloaded"},
+    {"match": "^ds/p2$", "times": 1, "fault": "status", "status": 429, "message": "slow down"},
+    {"match": "^ds/p3$", "fault": "status", "status": 400, "message": "This model's maximum context length is 2048 tokens"},
+    {"match": "^ds/p4$", "times": 1, "fault": "disconnect"},
+    {"match": "^ds/p5$", "times": 1, "fault": "delay", "seconds": 0.3},
+    {"match": "^ds/p6$", "fault": "status", "status": 503, "message": "always down"},
+    {"match": "^ds/p7$", "times": 1, "fault": "close"},
+    {"match": "^ds/p8$", "times": 1, "fault": "hang"},
+    {"match": "^ds/p9$", "fault": "status", "status": 404, "message": "no such route"},
+]
+
+
+def test_scripted_faults_end_exactly_once(tmp_path):
+    ids = write_prompts(tmp_path / "prompts.jsonl", 40)
+    with start_fake_server(tmp_path / "srv", script=SCRIPT, model="fake-model") as srv:
+        cfg = make_cfg(tmp_path, srv.url, tmp_path / "prompts.jsonl")
+        summary = run_generate(cfg, progress=False)
+        reqs = srv.requests()
+    d = tmp_path / "camp" / "generate" / "ds"
+    records = {r["id"]: r for r in read_jsonl(d / "records.jsonl")}
+    failed = {r["id"]: r for r in read_jsonl(d / "failed.jsonl")}
+    assert len(records) + len(failed) == 40
+    assert set(records) | set(failed) == {f"ds/{i}" for i in ids}
+    assert not set(records) & set(failed)
+    assert set(failed) == {"ds/p3", "ds/p6", "ds/p9"}
+    assert failed["ds/p3"]["attempts"] == 1 and "maximum context length" in failed["ds/p3"]["error"]
+    assert failed["ds/p3"]["status"] == 400 and failed["ds/p3"]["error_kind"] == "RequestRejected"
+    assert failed["ds/p6"]["attempts"] == 3 and failed["ds/p6"]["status"] == 503
+    assert failed["ds/p9"]["attempts"] == 1 and failed["ds/p9"]["status"] == 404
+    assert records["ds/p1"]["attempts"] == 3
+    assert records["ds/p2"]["attempts"] == 2
+    assert records["ds/p4"]["attempts"] == 2  # disconnect mid-response is retried
+    assert records["ds/p7"]["attempts"] == 2
+    assert records["ds/p8"]["attempts"] == 2  # hang -> read timeout -> retried
+    assert records["ds/p5"]["attempts"] == 1
+    # The server saw exactly the attempts we recorded.
+    per_id: dict[str, int] = {}
+    for r in reqs:
+        per_id[r["sample"]] = per_id.get(r["sample"], 0) + 1
+    for rid, r in records.items():
+        assert per_id[rid] == r["attempts"], rid
+    for rid, r in failed.items():
+        assert per_id[rid] == r["attempts"], rid
+    s = summary.datasets["ds"]
+    assert (s["done"], s["failed"]) == (37, 3)
+    stats = json.loads((d / "stats.json").read_text())
+    assert stats["done"] == 37 and stats["errors"]["http_500"] == 2 and stats["errors"]["http_503"] == 3
+
+
+def test_record_schema_and_length_flag(tmp_path):
+    write_prompts(tmp_path / "prompts.jsonl", 3)
+    with start_fake_server(tmp_path / "srv", model="fake-model") as srv:
+        cfg = make_cfg(tmp_path, srv.url, tmp_path / "prompts.jsonl")
+        run_generate(cfg, progress=False)
+    recs = read_jsonl(tmp_path / "camp" / "generate" / "ds" / "records.jsonl")
+    r = recs[0]
+    assert list(r)[0] == "id"
+    assert r["dataset"] == "ds" and r["model"] == "fake-model" and r["endpoint"].startswith("http://127.0.0.1")
+    assert r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] == r["content"]
+    assert r["reasoning"] and r["messages"][-1]["reasoning"] == r["reasoning"]  # fake server reasons
+    assert r["usage"]["completion_tokens"] > 0
+    t = r["turns"][0]
+    assert t["token_ids"] and len(t["token_ids"]) == t["usage"]["completion_tokens"]
+    assert r["finish_reason"] in ("stop", "length")
+    stats = json.loads((tmp_path / "camp" / "generate" / "ds" / "stats.json").read_text())
+    assert stats["reasoning_capture_rate"] == 1.0
+    assert stats["finish_reasons"].get("length", 0) == stats["truncated"]
+
+
+def test_second_run_sends_nothing(tmp_path):
+    write_prompts(tmp_path / "prompts.jsonl", 10)
+    with start_fake_server(tmp_path / "srv", model="fake-model") as srv:
+        cfg = make_cfg(tmp_path, srv.url, tmp_path / "prompts.jsonl")
+        run_generate(cfg, progress=False)
+        n = len(srv.requests())
+        s2 = run_generate(cfg, progress=False)
+        assert len(srv.requests()) == n
+    assert s2.datasets["ds"]["done"] == 10 and s2.datasets["ds"]["skipped_at_start"] == 10
