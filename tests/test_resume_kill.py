@@ -67,12 +67,12 @@ def start_runner(cfg: Path, log: Path) -> subprocess.Popen:
 
 
 def test_kill9_at_several_points_then_resume(tmp_path):
-    # Each request takes 30-60 ms so kills land mid-flight with ~12 requests outstanding.
-    script = [{"match": ".*", "fault": "delay", "seconds": 0.04}]
+    # Each request takes 200 ms so kills land mid-flight with ~12 requests outstanding.
+    script = [{"match": ".*", "fault": "delay", "seconds": 0.2}]
     records = tmp_path / "camp" / "generate" / "ds" / "records.jsonl"
     with start_fake_server(tmp_path / "srv", script=script, model="fake-model", log_sync=True) as srv:
         cfg = write_config(tmp_path, srv.url)
-        kill_at = [0, 5, 30, 31, 70]  # records present when SIGKILL lands (0: during start-up)
+        kill_at = [0, 5, 20, 1, 30]  # new records when SIGKILL lands (0: during start-up)
         runs = []
         for k in kill_at + [None]:
             before = set(record_ids(records))
@@ -88,14 +88,19 @@ def test_kill9_at_several_points_then_resume(tmp_path):
                     time.sleep(0.005)
                 if k == 0:
                     time.sleep(0.3)
+                assert p.poll() is None, "runner finished before it could be killed"
                 p.send_signal(signal.SIGKILL)
-                p.wait(timeout=10)
+                assert p.wait(timeout=10) == -signal.SIGKILL
             new_reqs = srv.requests()[log_offset:]
             resent = {r["sample"] for r in new_reqs} & before
             assert not resent, f"server got requests for already-recorded ids: {sorted(resent)[:5]}"
             runs.append((k, len(before), len(new_reqs)))
         ids = record_ids(records)
+        total_requests = len(srv.requests())
     assert len(ids) == N, runs
+    # Kills landed with requests in flight (they were sent again), and the last run still had work.
+    assert total_requests > N, runs
+    assert runs[-1][1] < N, runs
     assert len(set(ids)) == N, "duplicate records"
     assert set(ids) == {f"ds/q{i}" for i in range(N)}
     assert records.read_bytes().endswith(b"\n")
