@@ -19,6 +19,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.campaign:
         cfg.campaign.dir = args.campaign
+    if args.detach:
+        from .campaign import Campaign
+        from .runctl import spawn_detached
+
+        camp = Campaign.create_or_open(cfg)
+        argv = ["generate", str(args.config), "--no-progress", "--campaign", str(camp.root)]
+        if args.retry_failed:
+            argv.append("--retry-failed")
+        pid = spawn_detached(argv, camp)
+        print(f"generate running detached: pid {pid}\n  campaign: {camp.root}\n"
+              f"  follow:   specops status {camp.root} --watch\n  stop:     specops stop {camp.root}")
+        return 0
     summary = run_generate(cfg, retry_failed=args.retry_failed, progress=False if args.no_progress else None)
     if args.json:
         print(json.dumps({"campaign": summary.campaign, "elapsed_s": summary.elapsed_s,
@@ -28,8 +40,43 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from . import status
+    from .runctl import resolve_campaign_arg
+
+    camp = resolve_campaign_arg(args.campaign)
+    if args.watch:
+        import time
+
+        from rich.live import Live
+
+        with Live(refresh_per_second=1, screen=False) as live:
+            while True:
+                rep = status.collect(camp.root, stall_s=args.stall_s)
+                live.update(status.render(rep))
+                time.sleep(args.interval)
+    rep = status.collect(camp.root, stall_s=args.stall_s)
+    if args.json:
+        print(json.dumps(rep.to_json(), indent=1))
+    else:
+        from rich.console import Console
+
+        Console().print(status.render(rep))
+    return rep.exit_code
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from .runctl import resolve_campaign_arg, stop
+
+    print(stop(resolve_campaign_arg(args.campaign), timeout_s=args.timeout, force=args.force))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specops", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="specops",
+        description="Target LLM + prompt datasets -> a served EAGLE-3 drafter, with flight checks.",
+    )
     p.add_argument("--version", action="version", version=f"specops {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -40,7 +87,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--retry-failed", action="store_true", help="give parked failures another try")
     g.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     g.add_argument("--json", action="store_true", help="print the summary as JSON")
+    g.add_argument("--detach", action="store_true", help="run in the background (own session); returns at once")
     g.set_defaults(func=_cmd_generate)
+
+    st = sub.add_parser("status", help="progress, rates, ETA, stalls; exit 2 on trouble")
+    st.add_argument("campaign", nargs="?", help="campaign directory or its campaign.toml (default: .)")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--watch", action="store_true", help="live view")
+    st.add_argument("--interval", type=float, default=2.0, help="--watch refresh seconds")
+    st.add_argument("--stall-s", type=float, default=300.0, help="in flight with no completion for this long = stalled")
+    st.set_defaults(func=_cmd_status)
+
+    sp = sub.add_parser("stop", help="stop a running (e.g. detached) phase gracefully")
+    sp.add_argument("campaign", nargs="?", help="campaign directory or its campaign.toml (default: .)")
+    sp.add_argument("--timeout", type=float, default=60.0)
+    sp.add_argument("--force", action="store_true", help="SIGKILL after the timeout")
+    sp.set_defaults(func=_cmd_stop)
     return p
 
 

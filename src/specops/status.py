@@ -1,0 +1,194 @@
+"""`specops status`: how far along is the campaign, is it healthy, and when will it end.
+
+Reads only what the stages write — manifest.json, run/pid + the flock on run/lock, run/heartbeat.json,
+generate/*/stats.json, the log tail — never a process-name grep and never the journal itself, so
+it answers in milliseconds for a 1M-record campaign.
+
+Verdicts (exit code): 0 ok (running healthily, finished, or idle); 2 trouble: the manifest says a
+phase is running but no live process holds the lock (dead runner), the heartbeat is stale, or the
+run is stalled (samples in flight, no completion for `stall_s`; with server metrics, generation
+tokens flat while requests run).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .campaign import Campaign, lock_holder, read_json
+
+
+@dataclass
+class StatusReport:
+    campaign: str
+    state: str  # running | finished | interrupted | failed | dead | idle | new
+    problems: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return 2 if self.problems else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"campaign": self.campaign, "state": self.state, "ok": not self.problems,
+                "problems": self.problems, **self.data}
+
+
+def _tail(path: Path, n: int = 8, max_bytes: int = 16384) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except FileNotFoundError:
+        return []
+    return lines[-n:]
+
+
+def _fmt_eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def collect(campaign_dir: str | Path, *, stall_s: float = 300.0, heartbeat_stale_s: float = 60.0,
+            now: float | None = None) -> StatusReport:
+    camp = Campaign(campaign_dir)
+    now = time.time() if now is None else now
+    manifest = camp.read_manifest()
+    if manifest is None:
+        return StatusReport(str(camp.root), "new", [f"no campaign at {camp.root} (no manifest.json)"])
+    hb = read_json(camp.heartbeat_path) or {}
+    holder = lock_holder(camp)
+    alive = bool(holder and holder.get("alive"))
+    phases = manifest.get("phases", {})
+    running_phase = next((p for p, v in phases.items() if v.get("state") == "running"), None)
+    problems: list[str] = []
+
+    # Per dataset: the heartbeat is the freshest; stats.json fills in what the heartbeat lacks.
+    datasets: dict[str, Any] = {}
+    cfg_datasets = [d["name"] for d in manifest.get("config", {}).get("datasets", [])]
+    hb_ds = hb.get("datasets") or {}
+    for name in cfg_datasets:
+        st = read_json(camp.dataset_dir(name) / "stats.json") or {}
+        h = hb_ds.get(name, {})
+        pick = lambda k: h.get(k) if h.get(k) is not None else st.get(k)  # noqa: E731
+        d = {
+            "total": pick("total"),
+            "done": pick("done") or 0,
+            "failed": pick("failed") or 0,
+            "quarantined": pick("quarantined") or 0,
+            "in_flight": h.get("in_flight", 0) if alive else 0,
+            "completion_tokens": pick("completion_tokens") or 0,
+            "truncated": st.get("truncated"),
+            "latency_p50_s": (st.get("latency_s") or {}).get("p50"),
+            "reasoning_capture_rate": st.get("reasoning_capture_rate"),
+            "errors": st.get("errors") or {},
+        }
+        settled = d["done"] + d["failed"] + d["quarantined"]
+        d["remaining"] = max(0, (d["total"] or 0) - settled) if d["total"] is not None else None
+        datasets[name] = d
+
+    hb_age = now - hb["ts"] if hb.get("ts") else None
+    window = hb.get("window") or {}
+    sps = window.get("samples_per_s")
+    tps = window.get("tokens_per_s")
+    remaining = sum(d["remaining"] or 0 for d in datasets.values())
+    eta = remaining / sps if sps and remaining else (0.0 if remaining == 0 else None)
+    in_flight = sum(d["in_flight"] for d in datasets.values())
+    started = hb.get("started")
+    done_total = sum(d["done"] for d in datasets.values())
+    tok_total = sum(d["completion_tokens"] for d in datasets.values())
+
+    if alive:
+        state = "running"
+        if hb_age is not None and hb_age > heartbeat_stale_s:
+            problems.append(f"heartbeat is {hb_age:.0f}s old (runner pid {holder.get('pid')} alive but not writing)")
+        last = hb.get("last_done_unix") or started
+        if in_flight and last and now - last > stall_s:
+            problems.append(f"stalled: {in_flight} samples in flight, no completion for {now - last:.0f}s")
+    elif running_phase:
+        state = "dead"
+        problems.append(
+            f"phase '{running_phase}' is marked running but no live process holds the lock "
+            f"(last heartbeat {_fmt_eta(hb_age)} ago): the runner died; rerun the same command to resume"
+        )
+    else:
+        state = hb.get("state") or ("finished" if all(v.get("state") == "done" for v in phases.values()
+                                                      if v.get("state") != "pending") else "idle")
+
+    du = shutil.disk_usage(camp.root)
+    data = {
+        "pid": (holder or {}).get("pid"),
+        "alive": alive,
+        "phase": running_phase or hb.get("phase"),
+        "phases": {p: v.get("state") for p, v in phases.items()},
+        "heartbeat_age_s": None if hb_age is None else round(hb_age, 1),
+        "engine": hb.get("engine"),
+        "datasets": datasets,
+        "in_flight": in_flight,
+        "window": {"seconds": window.get("seconds"), "samples_per_s": sps, "tokens_per_s": tps},
+        "lifetime": {
+            "elapsed_s": (hb["ts"] - started) if started and hb.get("ts") else None,
+            "samples": done_total,
+            "completion_tokens": tok_total,
+        },
+        "remaining": remaining,
+        "eta_s": None if eta is None else round(eta, 1),
+        "error_rate": _error_rate(datasets),
+        "disk": {"path": str(camp.root), "free_bytes": du.free, "total_bytes": du.total},
+        "stop_reason": hb.get("stop_reason"),
+        "log_tail": _tail(camp.log_path),
+    }
+    return StatusReport(str(camp.root), state, problems, data)
+
+
+def _error_rate(datasets: dict[str, Any]) -> float | None:
+    errs = sum(sum(d["errors"].values()) for d in datasets.values())
+    done = sum(d["done"] for d in datasets.values())
+    return None if errs + done == 0 else round(errs / (errs + done), 4)
+
+
+def render(report: StatusReport):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    d = report.data
+    head = Text()
+    color = {"running": "green", "finished": "green", "dead": "red"}.get(report.state, "yellow")
+    head.append(f"{report.campaign}\n", style="bold")
+    head.append(f"state: {report.state}", style=color)
+    if d.get("pid"):
+        head.append(f"  pid {d['pid']}")
+    if d.get("heartbeat_age_s") is not None:
+        head.append(f"  heartbeat {d['heartbeat_age_s']:.0f}s ago")
+    w = d.get("window", {})
+    if w.get("samples_per_s") is not None:
+        head.append(f"\nrate: {w['samples_per_s']:.2f} samples/s, {w['tokens_per_s']:.0f} tok/s "
+                    f"(last {w['seconds']:.0f}s)")
+    head.append(f"  remaining {d.get('remaining', '-')}, ETA {_fmt_eta(d.get('eta_s'))}")
+    if d.get("error_rate") is not None:
+        head.append(f"  error rate {d['error_rate']:.1%}")
+    free = d["disk"]["free_bytes"] / 1e9
+    head.append(f"\ndisk free: {free:,.1f} GB at {d['disk']['path']}")
+    t = Table()
+    for col in ("dataset", "done", "total", "failed", "quarantined", "in flight", "out tokens", "p50 s"):
+        t.add_column(col, justify="left" if col == "dataset" else "right")
+    for name, x in d.get("datasets", {}).items():
+        t.add_row(name, f"{x['done']:,}", "-" if x["total"] is None else f"{x['total']:,}", str(x["failed"]),
+                  str(x["quarantined"]), str(x["in_flight"]), f"{x['completion_tokens']:,}",
+                  "-" if x["latency_p50_s"] is None else f"{x['latency_p50_s']:.2f}")
+    parts: list[Any] = [head, t]
+    for p in report.problems:
+        parts.append(Text(f"PROBLEM: {p}", style="bold red"))
+    if d.get("log_tail"):
+        parts.append(Text("log:\n" + "\n".join("  " + x for x in d["log_tail"]), style="dim"))
+    return Group(*parts)
