@@ -124,6 +124,51 @@ def test_greedy_is_deterministic(server):
     assert len(a["choices"][0]["token_ids"]) == 16
 
 
+def _successes(srv: VllmServer) -> float:
+    status, body = _get(srv.base_url + "/metrics")
+    assert status == 200
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def test_campaign_against_real_vllm(server, tmp_path, shared_data):
+    """A small two-dataset campaign through specops' runner; a rerun sends nothing."""
+    from specops.config import config_from_dict
+    from specops.generate import run_generate
+
+    cfg = config_from_dict({
+        "campaign": {"name": "real", "dir": str(tmp_path / "camp")},
+        "target": {"model": "smollm2"},
+        "engine": {"kind": "openai", "endpoints": [server.url]},
+        "generate": {"concurrency": 4, "max_tokens": 12, "turns": "all"},
+        "datasets": [
+            {"name": "spec", "source": "spec_bench", "path": str(shared_data / "spec_bench" / "question.jsonl"),
+             "limit": 6},
+            {"name": "mt", "source": "mtbench", "limit": 2},
+        ],
+    })
+    before = _successes(server)
+    summary = run_generate(cfg, progress=False)
+    assert summary.datasets["spec"]["done"] == 6 and summary.datasets["mt"]["done"] == 2
+    sent = _successes(server) - before
+    recs = [json.loads(x) for name in ("spec", "mt")
+            for x in (tmp_path / "camp" / "generate" / name / "records.jsonl").read_text().splitlines()]
+    n_turns = sum(len(r["turns"]) for r in recs)
+    assert sent == n_turns  # one request per generated turn, no retries needed
+    for r in recs:
+        assert r["model"] == SERVED and r["content"].strip()
+        for t in r["turns"]:
+            assert len(t["token_ids"]) == t["usage"]["completion_tokens"] > 0
+            assert t["prompt_token_ids"][0] == 1  # BOS: the server's own templated prompt
+    mt = [r for r in recs if r["dataset"] == "mt"]
+    for r in mt:  # both MT-bench turns regenerated, the model's own first answer in the history
+        roles = [m["role"] for m in r["messages"] if m["role"] != "system"]
+        assert roles == ["user", "assistant", "user", "assistant"] and len(r["turns"]) == 2
+    again = run_generate(cfg, progress=False)
+    assert _successes(server) - before == sent  # resume: nothing sent twice
+    assert again.datasets["spec"]["skipped_at_start"] == 6
+
+
 def test_stop_kills_the_whole_group_and_frees_the_port(server):
     # Keep this test last: it stops the module's server.
     pids = server.group_pids()
