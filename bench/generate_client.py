@@ -92,7 +92,7 @@ def bench_specops(url: str, n: int, conc: int, work: Path) -> float:
         "campaign": {"name": "bench", "dir": str(camp)},
         "target": {"served_name": "fake-model"},
         "engine": {"kind": "openai", "endpoints": [url]},
-        "generate": {"concurrency": conc, "max_tokens": 16},
+        "generate": {"concurrency": conc, "max_tokens": 16, "canary_samples": 0},
         "datasets": [{"name": "ds", "path": str(prompts)}],
     })
     t0 = time.perf_counter()
@@ -111,7 +111,7 @@ def peak_rss_mb(url: str, n_prompts: int, seconds: float, work: Path) -> float:
     cfg = work / f"rss_{n_prompts}.toml"
     cfg.write_text(
         f'[campaign]\nname="rss"\ndir="{camp}"\n[target]\nserved_name="fake-model"\n'
-        f'[engine]\nkind="openai"\nendpoints=["{url}"]\n[generate]\nconcurrency=150\nmax_tokens=16\n'
+        f'[engine]\nkind="openai"\nendpoints=["{url}"]\n[generate]\nconcurrency=150\nmax_tokens=16\ncanary_samples=0\n'
         f'[[datasets]]\nname="ds"\npath="{prompts}"\n'
     )
     code = (

@@ -39,6 +39,7 @@ concurrency = {concurrency}
 max_tokens = 16
 fsync_interval_s = 0.0
 heartbeat_interval_s = 0.2
+canary_samples = 0
 [[datasets]]
 name = "ds"
 path = "{prompts}"

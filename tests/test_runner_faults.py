@@ -32,7 +32,7 @@ def make_cfg(tmp_path: Path, url: str, prompts: Path, **engine) -> object:
             "target": {"served_name": "fake-model"},
             "engine": {"kind": "openai", "endpoints": [url], "max_attempts": 3, "backoff_base_s": 0.01,
                        "backoff_max_s": 0.05, "read_timeout_s": 2.0, "connect_timeout_s": 1.0, **engine},
-            "generate": {"concurrency": 8, "max_tokens": 12, "heartbeat_interval_s": 0.2},
+            "generate": {"concurrency": 8, "max_tokens": 12, "heartbeat_interval_s": 0.2, "canary_samples": 0},
             "datasets": [{"name": "ds", "path": str(prompts)}],
         }
     )

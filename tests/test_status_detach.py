@@ -22,7 +22,7 @@ def write_config(tmp_path: Path, url: str, n: int, concurrency: int) -> Path:
     cfg.write_text(
         f'[campaign]\nname = "st"\ndir = "{tmp_path / "camp"}"\n[target]\nserved_name = "fake-model"\n'
         f'[engine]\nkind = "openai"\nendpoints = ["{url}"]\nread_timeout_s = 600\n'
-        f'[generate]\nconcurrency = {concurrency}\nmax_tokens = 8\nheartbeat_interval_s = 0.25\n'
+        f'[generate]\nconcurrency = {concurrency}\nmax_tokens = 8\nheartbeat_interval_s = 0.25\ncanary_samples = 0\n'
         f'[[datasets]]\nname = "ds"\npath = "{prompts}"\n'
     )
     return cfg

@@ -140,7 +140,7 @@ def test_campaign_against_real_vllm(server, tmp_path, shared_data):
         "campaign": {"name": "real", "dir": str(tmp_path / "camp")},
         "target": {"model": "smollm2"},
         "engine": {"kind": "openai", "endpoints": [server.url]},
-        "generate": {"concurrency": 4, "max_tokens": 12, "turns": "all"},
+        "generate": {"concurrency": 4, "max_tokens": 12, "turns": "all", "canary_samples": 0},
         "datasets": [
             {"name": "spec", "source": "spec_bench", "path": str(shared_data / "spec_bench" / "question.jsonl"),
              "limit": 6},

@@ -27,11 +27,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         argv = ["generate", str(args.config), "--no-progress", "--campaign", str(camp.root)]
         if args.retry_failed:
             argv.append("--retry-failed")
+        if args.no_canary:
+            argv.append("--no-canary")
         pid = spawn_detached(argv, camp)
         print(f"generate running detached: pid {pid}\n  campaign: {camp.root}\n"
               f"  follow:   specops status {camp.root} --watch\n  stop:     specops stop {camp.root}")
         return 0
-    summary = run_generate(cfg, retry_failed=args.retry_failed, progress=False if args.no_progress else None)
+    summary = run_generate(cfg, retry_failed=args.retry_failed, progress=False if args.no_progress else None,
+                           canary=not args.no_canary)
     if args.json:
         print(json.dumps({"campaign": summary.campaign, "elapsed_s": summary.elapsed_s,
                           "datasets": summary.datasets}, indent=1))
@@ -87,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--retry-failed", action="store_true", help="give parked failures another try")
     g.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     g.add_argument("--json", action="store_true", help="print the summary as JSON")
+    g.add_argument("--no-canary", action="store_true", help="skip the canary (recorded in the manifest)")
     g.add_argument("--detach", action="store_true", help="run in the background (own session); returns at once")
     g.set_defaults(func=_cmd_generate)
 

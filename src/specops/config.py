@@ -51,6 +51,9 @@ class EngineSection:
     backoff_base_s: float = 1.0
     backoff_max_s: float = 60.0
     return_token_ids: bool = True  # vLLM's `return_token_ids`; ignored by servers that lack it
+    # Health gate: before starting, and while an endpoint is down, wait this long for it to pass
+    # every tier (TCP, /health, /v1/models, a real completion) before giving up.
+    health_gate_timeout_s: float = 900.0
     # local engine
     device: str = "auto"  # auto: cuda if available else cpu
     batch_size: int = 8
@@ -80,6 +83,20 @@ class GenerateSection:
     heartbeat_interval_s: float = 2.0
     # extra request-body fields for every request (e.g. {"chat_template_kwargs": {...}})
     extra_body: dict[str, Any] = field(default_factory=dict)
+    canary_samples: int = 3  # per dataset, validated before the full run; 0 = no canary
+
+
+@dataclass(kw_only=True)
+class MonitorSection:
+    stall_s: float = 600.0  # samples in flight and no completion for this long = stalled
+    alert_command: str | None = None  # shell command; gets the alert JSON on stdin
+    alert_url: str | None = None  # POST the alert JSON here
+    alert_events: list[str] = field(
+        default_factory=lambda: ["stall", "runner_dead", "server_down", "server_up", "finished", "failed"]
+    )
+    alert_repeat_s: float = 900.0
+    metrics_port: int | None = None  # serve campaign metrics (Prometheus text) on this port
+    metrics_host: str = "127.0.0.1"
 
 
 @dataclass(kw_only=True)
@@ -107,6 +124,7 @@ class Config:
     target: TargetSection = field(default_factory=TargetSection)
     engine: EngineSection = field(default_factory=EngineSection)
     generate: GenerateSection = field(default_factory=GenerateSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
     datasets: list[DatasetSection] = field(default_factory=list)
     source_path: Path | None = None  # where it was loaded from (not a TOML key)
 
@@ -285,6 +303,18 @@ def _validate(cfg: Config) -> None:
     _check_positive(g.heartbeat_interval_s, "generate.heartbeat_interval_s")
     if not 0 < g.top_p <= 1:
         raise ConfigError(f"generate.top_p: must be in (0, 1], got {g.top_p}")
+
+    m = cfg.monitor
+    _check_positive(m.stall_s, "monitor.stall_s")
+    _check_positive(g.canary_samples, "generate.canary_samples", allow_zero=True)
+    _check_positive(e.health_gate_timeout_s, "engine.health_gate_timeout_s", allow_zero=True)
+    for i, ev in enumerate(m.alert_events):
+        if ev not in ("stall", "runner_dead", "server_down", "server_up", "finished", "failed"):
+            raise ConfigError(f"monitor.alert_events[{i}]: unknown event {ev!r}")
+    if m.alert_url and not m.alert_url.startswith(("http://", "https://")):
+        raise ConfigError(f"monitor.alert_url: expected an http(s) URL, got {m.alert_url!r}")
+    if m.metrics_port is not None and not 0 < m.metrics_port < 65536:
+        raise ConfigError(f"monitor.metrics_port: must be a TCP port, got {m.metrics_port}")
 
     if not cfg.datasets:
         raise ConfigError("datasets: at least one [[datasets]] entry is required")

@@ -4,24 +4,43 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from ..campaign import Campaign, RunLock
 from ..config import Config
 from ..errors import Interrupted
 
+log = logging.getLogger("specops.generate")
 
-def run_generate(cfg: Config, *, retry_failed: bool = False, progress: bool | None = None, engine=None):
-    """Run (or resume) the generate phase of `cfg`'s campaign. Returns a GenerateSummary."""
+
+def run_generate(cfg: Config, *, retry_failed: bool = False, progress: bool | None = None, engine=None,
+                 canary: bool = True):
+    """Run (or resume) the generate phase of `cfg`'s campaign. Returns a GenerateSummary.
+
+    Order: lock -> engine start -> canary (a few samples per dataset, validated) -> full run.
+    """
     from .runner import Runner, build_engine
 
     campaign = Campaign.create_or_open(cfg)
     with RunLock(campaign, "generate"):
         _attach_log(campaign)
         engine = engine if engine is not None else build_engine(cfg)
-        campaign.set_phase("generate", "running", pid=__import__("os").getpid())
-        runner = Runner(cfg, campaign, engine, retry_failed=retry_failed, progress=progress)
+        campaign.set_phase("generate", "running", pid=os.getpid())
+        if not canary and cfg.generate.canary_samples:
+            campaign.add_event("canary_skipped", phase="generate")
+        runner = Runner(cfg, campaign, engine, retry_failed=retry_failed, progress=progress, manage_engine=False)
+
+        async def main():
+            await engine.start()
+            try:
+                if canary and cfg.generate.canary_samples:
+                    await _canary(cfg, campaign, engine)
+                return await runner.run()
+            finally:
+                await engine.close()
+
         try:
-            summary = asyncio.run(runner.run())
+            summary = asyncio.run(main())
         except Interrupted:
             campaign.set_phase("generate", "pending", interrupted_reason=runner.stop_reason)
             raise
@@ -34,6 +53,19 @@ def run_generate(cfg: Config, *, retry_failed: bool = False, progress: bool | No
                     for n, d in summary.datasets.items()},
         )
         return summary
+
+
+async def _canary(cfg: Config, campaign: Campaign, engine) -> None:
+    from .canary import CanaryFailed, run_canary
+
+    log.info("canary: %d sample(s) per dataset before the full run", cfg.generate.canary_samples)
+    report = await run_canary(cfg, campaign, engine)
+    campaign.add_event("canary", ok=report.ok, datasets=report.datasets)
+    if not report.ok:
+        for p in report.problems:
+            log.error("canary: %s", p)
+        raise CanaryFailed(f"{len(report.problems)} problem(s), full run not started: " + "; ".join(report.problems))
+    log.info("canary passed: %s", ", ".join(f"{n} {d['records']} ok" for n, d in report.datasets.items()))
 
 
 def _attach_log(campaign: Campaign) -> None:

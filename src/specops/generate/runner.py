@@ -131,6 +131,7 @@ class Runner:
         retry_failed: bool = False,
         progress: bool | None = None,
         on_heartbeat: Callable[[dict[str, Any]], None] | None = None,
+        manage_engine: bool = True,
     ):
         self.cfg = cfg
         self.campaign = campaign
@@ -138,6 +139,7 @@ class Runner:
         self.retry_failed = retry_failed
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.on_heartbeat = on_heartbeat
+        self.manage_engine = manage_engine  # False: the caller starts and closes the engine
         self.runs: dict[str, DatasetRun] = {}
         self.stop = asyncio.Event()
         self.stop_reason: str | None = None
@@ -467,7 +469,8 @@ class Runner:
             loop.add_signal_handler(sig, on_signal, sig.name)
         hb_task = None
         try:
-            await self.engine.start()
+            if self.manage_engine:
+                await self.engine.start()
             self.heartbeat()
             hb_task = asyncio.create_task(self._heartbeat_loop())
             if self.progress:
@@ -505,7 +508,8 @@ class Runner:
             if self._progress is not None:
                 self._progress.stop()
             try:
-                await self.engine.close()
+                if self.manage_engine:
+                    await self.engine.close()
             finally:
                 final_state = "finished" if not self.stop.is_set() else (
                     "failed" if self.fatal else "interrupted")

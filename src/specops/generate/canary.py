@@ -1,0 +1,109 @@
+"""Canary: a few prompts per dataset through the real engine before a campaign commits hours.
+
+The canary runs the same runner on a scratch campaign (`<campaign>/canary/`, replaced each time)
+with `generate.canary_samples` prompts per dataset, then checks the records: content came back,
+reasoning was captured when reasoning mode is "save", no stray think markers are left in content,
+not every sample was cut by max_tokens, and the model id is the one expected. Any finding stops
+the campaign before the full run, with the evidence.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from ..campaign import Campaign
+from ..config import Config
+from ..errors import SpecopsError
+from .client import THINK_CLOSE, THINK_OPEN
+from .types import Engine
+
+
+class CanaryFailed(SpecopsError):
+    """The canary found a problem that would spoil the whole campaign."""
+
+
+@dataclass
+class CanaryReport:
+    datasets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_records(name: str, records: list[dict[str, Any]], failed: list[dict[str, Any]], *,
+                  reasoning_mode: str, expected_model: str | None, max_tokens: int) -> list[str]:
+    """The canary's verdict on one dataset's records: a list of problems (empty = fine)."""
+    problems: list[str] = []
+    if not records:
+        err = failed[0]["error"] if failed else "no sample produced"
+        return [f"{name}: every canary request failed (first error: {err})"]
+    empty = [r["id"] for r in records if not (r.get("content") or "").strip() and not _has_tool_calls(r)]
+    if empty:
+        problems.append(f"{name}: {len(empty)}/{len(records)} samples came back with empty content ({empty[0]})")
+    stray = [r["id"] for r in records if THINK_OPEN in (r.get("content") or "") or THINK_CLOSE in (r.get("content") or "")]
+    if stray:
+        problems.append(
+            f"{name}: think markers left in content ({stray[0]}): the server splits no reasoning; start it with a "
+            "reasoning parser (vLLM/SGLang --reasoning-parser) or set generate.reasoning = 'off'"
+        )
+    if reasoning_mode == "save" and not any(r.get("reasoning") for r in records):
+        problems.append(
+            f"{name}: reasoning mode is 'save' but none of {len(records)} samples carried reasoning "
+            "(no `reasoning`/`reasoning_content` field): start the server with a reasoning parser, "
+            "or set generate.reasoning = 'off' for a non-reasoning target"
+        )
+    cut = [r for r in records if r.get("finish_reason") == "length"]
+    if len(cut) == len(records):
+        problems.append(f"{name}: all {len(records)} samples hit max_tokens={max_tokens} (finish_reason 'length'); "
+                        "raise max_tokens or the whole dataset will be truncated")
+    if expected_model:
+        wrong = {r.get("model") for r in records} - {expected_model}
+        if wrong:
+            problems.append(f"{name}: responses came from model {sorted(map(str, wrong))}, expected '{expected_model}'")
+    if failed:
+        problems.append(f"{name}: {len(failed)} canary sample(s) failed: {failed[0]['error']}")
+    return problems
+
+
+def _has_tool_calls(rec: dict[str, Any]) -> bool:
+    return any(m.get("tool_calls") for m in rec.get("messages", []) if m.get("role") == "assistant")
+
+
+def _read(path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [orjson.loads(x) for x in path.read_bytes().splitlines() if x.strip()]
+
+
+async def run_canary(cfg: Config, campaign: Campaign, engine: Engine) -> CanaryReport:
+    from ..models import served_name
+    from .runner import Runner
+
+    n = cfg.generate.canary_samples
+    root = campaign.root / "canary"
+    shutil.rmtree(root, ignore_errors=True)  # scratch: our own files, remade each time
+    ccfg = copy.deepcopy(cfg)
+    ccfg.campaign.dir = str(root)
+    for ds in ccfg.datasets:
+        ds.limit = min(ds.limit or n, n)
+    camp = Campaign(root)
+    camp.run_dir.mkdir(parents=True, exist_ok=True)
+    runner = Runner(ccfg, camp, engine, progress=False, manage_engine=False)
+    await runner.run()
+    expected = served_name(cfg.target.model, cfg.target.served_name) if cfg.engine.kind == "openai" else None
+    report = CanaryReport()
+    for ds in ccfg.datasets:
+        d = camp.dataset_dir(ds.name)
+        recs, failed = _read(d / "records.jsonl"), _read(d / "failed.jsonl")
+        probs = check_records(ds.name, recs, failed, reasoning_mode=cfg.generate.reasoning,
+                              expected_model=expected, max_tokens=cfg.sampling_for(ds).max_tokens)
+        report.datasets[ds.name] = {"records": len(recs), "failed": len(failed), "problems": probs}
+        report.problems.extend(probs)
+    return report
