@@ -32,7 +32,7 @@ def records_of(tmp_path: Path) -> Path:
 def test_canary_passes_then_full_run(tmp_path):
     with start_fake_server(tmp_path / "srv", model="fake-model") as srv:
         s = run_generate(cfg_for(tmp_path, srv.url), progress=False)
-        reqs = srv.requests()
+        reqs = [r for r in srv.requests() if r["sample"] != "specops-health-probe"]
     assert s.datasets["ds"]["done"] == 20
     assert len(reqs) == 23  # 3 canary + 20
     manifest = json.loads((tmp_path / "camp" / "manifest.json").read_text())
@@ -44,14 +44,13 @@ def test_canary_passes_then_full_run(tmp_path):
     [
         ({}, {"reasoning_field": "none"}, "reasoning mode is 'save' but none of 3 samples carried reasoning"),
         ({"max_tokens": 4}, {}, "all 3 samples hit max_tokens=4"),
-        ({"model": "kimi-k2"}, {}, "every canary request failed (first error: HTTP 404"),
     ],
 )
 def test_canary_stops_before_the_full_run(tmp_path, kwargs, server, needle):
     with start_fake_server(tmp_path / "srv", model="fake-model", **server) as srv:
         with pytest.raises(CanaryFailed) as e:
             run_generate(cfg_for(tmp_path, srv.url, **kwargs), progress=False)
-        assert len(srv.requests()) == 3  # only the canary's requests
+        assert len([r for r in srv.requests() if r["sample"] != "specops-health-probe"]) == 3  # canary only
     assert needle in str(e.value)
     assert not records_of(tmp_path).exists() or not records_of(tmp_path).read_text()
     manifest = json.loads((tmp_path / "camp" / "manifest.json").read_text())
@@ -76,3 +75,13 @@ def test_check_records_flags_stray_think_and_empty_content():
     assert "1/3 samples came back with empty content (b)" in text
     assert "responses came from model ['other'], expected 'm'" in text
     assert check_records("ds", recs[2:], [], reasoning_mode="save", expected_model="other", max_tokens=10) == []
+
+
+def test_wrong_model_is_refused_before_any_sample(tmp_path):
+    from specops.checks.server import ServerUnhealthy
+
+    with start_fake_server(tmp_path / "srv", model="qwen3-8b") as srv:
+        with pytest.raises(ServerUnhealthy) as e:
+            run_generate(cfg_for(tmp_path, srv.url, model="kimi-k2"), progress=False)
+        assert all(r["sample"] == "specops-health-probe" for r in srv.requests())
+    assert "kimi-k2" in str(e.value) and "qwen3-8b" in str(e.value)

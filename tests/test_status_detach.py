@@ -117,7 +117,7 @@ def _group_exists(pgid: int) -> bool:
 
 
 def test_dead_runner_and_stall_are_flagged(tmp_path):
-    script = [{"match": ".*", "fault": "hang"}]
+    script = [{"match": "^ds/.*", "fault": "hang"}]
     with start_fake_server(tmp_path / "srv", script=script, model="fake-model") as srv:
         cfg = write_config(tmp_path, srv.url, 10, 3)
         camp = tmp_path / "camp"
@@ -139,3 +139,34 @@ def test_dead_runner_and_stall_are_flagged(tmp_path):
 def test_status_of_missing_campaign(tmp_path):
     rc, st = status_json(tmp_path / "nope")
     assert rc == 2 and st["state"] == "new"
+
+
+def test_server_outage_waits_behind_the_gate_and_status_shows_it(tmp_path):
+    """The server dies mid-campaign and comes back on the same port: nothing lost, nothing failed,
+    and status reports the outage while it lasts."""
+    script = [{"match": "^ds/.*", "fault": "delay", "seconds": 0.1}]
+    srv = start_fake_server(tmp_path / "srv1", script=script, model="fake-model")
+    port = srv.port
+    cfg = write_config(tmp_path, srv.url, 80, 4)
+    text = cfg.read_text().replace("read_timeout_s = 600", "read_timeout_s = 600\nmax_attempts = 2\nbackoff_base_s = 0.05")
+    cfg.write_text(text)
+    camp = tmp_path / "camp"
+    out = specops("generate", str(cfg), "--detach")
+    assert out.returncode == 0, out.stderr
+    try:
+        wait_for(lambda: status_json(camp)[1]["datasets"]["ds"]["done"] >= 10)
+        srv.stop()  # the server dies (in-flight requests are cut)
+        rc, st = wait_for(lambda: (lambda r: r if r[1]["servers"] else None)(status_json(camp)), timeout=30)
+        assert rc == 2 and list(st["servers"].values())[0]["state"] == "down", st
+        assert any("down for" in p and "health gate" in p for p in st["problems"])
+        time.sleep(2.0)
+        srv = start_fake_server(tmp_path / "srv2", script=script, model="fake-model", port=port)
+        wait_for(lambda: status_json(camp)[1]["state"] == "finished", timeout=90, step=0.3)
+        rc, st = status_json(camp)
+        assert rc == 0 and st["datasets"]["ds"]["done"] == 80 and st["datasets"]["ds"]["failed"] == 0
+        assert list(st["servers"].values())[0]["state"] == "up"
+        assert list(st["servers"].values())[0]["last_outage_s"] >= 2.0
+    finally:
+        srv.stop()
+    ids = [json.loads(x)["id"] for x in (camp / "generate" / "ds" / "records.jsonl").read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == 80

@@ -111,6 +111,10 @@ def collect(campaign_dir: str | Path, *, stall_s: float = 300.0, heartbeat_stale
         state = "running"
         if hb_age is not None and hb_age > heartbeat_stale_s:
             problems.append(f"heartbeat is {hb_age:.0f}s old (runner pid {holder.get('pid')} alive but not writing)")
+        for ep, sv in (hb.get("servers") or {}).items():
+            if sv.get("state") == "down":
+                problems.append(f"server {ep} down for {now - sv['since']:.0f}s ({sv.get('reason')}); "
+                                "requests wait behind the health gate")
         last = hb.get("last_done_unix") or started
         if in_flight and last and now - last > stall_s:
             problems.append(f"stalled: {in_flight} samples in flight, no completion for {now - last:.0f}s")
@@ -133,6 +137,7 @@ def collect(campaign_dir: str | Path, *, stall_s: float = 300.0, heartbeat_stale
         "heartbeat_age_s": None if hb_age is None else round(hb_age, 1),
         "engine": hb.get("engine"),
         "datasets": datasets,
+        "servers": hb.get("servers") or {},
         "in_flight": in_flight,
         "window": {"seconds": window.get("seconds"), "samples_per_s": sps, "tokens_per_s": tps},
         "lifetime": {

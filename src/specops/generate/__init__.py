@@ -29,10 +29,15 @@ def run_generate(cfg: Config, *, retry_failed: bool = False, progress: bool | No
         if not canary and cfg.generate.canary_samples:
             campaign.add_event("canary_skipped", phase="generate")
         runner = Runner(cfg, campaign, engine, retry_failed=retry_failed, progress=progress, manage_engine=False)
+        from ..alerts import Alerter
+
+        runner.alerter = alerter = Alerter.from_config(cfg, str(campaign.root))
 
         async def main():
             await engine.start()
             try:
+                if hasattr(engine, "probe"):
+                    await health_gate(engine, cfg.engine.health_gate_timeout_s)
                 if canary and cfg.generate.canary_samples:
                     await _canary(cfg, campaign, engine)
                 return await runner.run()
@@ -46,13 +51,37 @@ def run_generate(cfg: Config, *, retry_failed: bool = False, progress: bool | No
             raise
         except BaseException as e:
             campaign.set_phase("generate", "failed", error=f"{type(e).__name__}: {e}")
+            alerter.fire("failed", f"generate failed: {type(e).__name__}: {e}")
             raise
+        alerter.fire("finished", f"generate finished: {summary.total_done} samples",
+                     datasets={n: d["done"] for n, d in summary.datasets.items()})
         campaign.set_phase(
             "generate", "done",
             counts={n: {k: d[k] for k in ("done", "failed", "quarantined", "truncated")}
                     for n, d in summary.datasets.items()},
         )
         return summary
+
+
+async def health_gate(engine, timeout_s: float) -> None:
+    """Before the run: every endpoint must pass every tier. A wrong model id fails at once (waiting
+    would not fix it); a server still loading is waited for up to `timeout_s`."""
+    from ..checks.server import ServerUnhealthy, wait_until_healthy
+
+    for ep in engine.endpoints:
+        rep = await engine.probe(ep, progress_window_s=0.5)
+        if rep.ok:
+            log.info("health gate: %s passes every tier", ep)
+            continue
+        bad = rep.first_failure()
+        if bad is not None and bad.name == "models":
+            raise ServerUnhealthy(f"{ep}: {bad.evidence}", rep)
+        log.warning("health gate: %s not ready (%s: %s); waiting up to %.0fs", ep, bad.name, bad.evidence, timeout_s)
+        try:
+            await wait_until_healthy(ep, expected_model=engine.model, api_key=engine._api_key,
+                                     timeout_s=timeout_s, progress_window_s=0.5)
+        except ServerUnhealthy as e:
+            raise ServerUnhealthy(f"{ep} did not become healthy in {timeout_s:.0f}s: {e}", e.report) from None
 
 
 async def _canary(cfg: Config, campaign: Campaign, engine) -> None:

@@ -69,6 +69,8 @@ class OpenAIEngine:
         assert endpoints, "at least one endpoint"
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.model = model
+        self._api_key = api_key
+        self.down: set[str] = set()  # endpoints behind a closed health gate: not picked
         self._headers = {"Content-Type": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -98,7 +100,14 @@ class OpenAIEngine:
             return self.endpoints[0]
         k = next(self._rr)
         order = [self.endpoints[(k + i) % n] for i in range(n)]
-        return min(order, key=self.outstanding.__getitem__)
+        up = [e for e in order if e not in self.down] or order
+        return min(up, key=self.outstanding.__getitem__)
+
+    async def probe(self, endpoint: str, **kw: Any):
+        """Every health tier for one endpoint, with this engine's model id and key."""
+        from ..checks.server import check_endpoint
+
+        return await check_endpoint(endpoint, expected_model=self.model, api_key=self._api_key, **kw)
 
     def body(self, req: ChatRequest) -> dict[str, Any]:
         s = req.sampling

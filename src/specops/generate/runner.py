@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from ..campaign import Campaign, atomic_write_json, now_iso
 from ..config import Config, DatasetSection
-from ..errors import ConfigError, Interrupted
+from ..errors import ConfigError, Interrupted, SpecopsError
 from .journal import DiskFull, Journal
 from .sources import open_source
 from .types import (
@@ -150,6 +150,11 @@ class Runner:
         self._window_s = 60.0
         self._last_done_unix: float | None = None
         self._stats_every_s = 5.0
+        # Health gate per endpoint (openai engine): a connection-level failure probes the server;
+        # while it is down, requests wait here instead of burning their retry attempts.
+        self._gates: dict[str, asyncio.Future] = {}
+        self.servers: dict[str, dict[str, Any]] = {}
+        self.alerter = None
 
     # ---------------------------------------------------------------- setup
     def _open_datasets(self) -> None:
@@ -183,6 +188,7 @@ class Runner:
     async def _call(self, run: DatasetRun, sample: Sample, messages: list[dict[str, Any]]) -> tuple[Completion, int]:
         e = self.cfg.engine
         attempt = 0
+        free_retries = 3  # retries after a server outage that do not count as attempts
         while True:
             attempt += 1
             req = ChatRequest(
@@ -197,6 +203,12 @@ class Runner:
                 return await self.engine.complete(req), attempt
             except TransientError as err:
                 run.journal.stats.errors[self._err_key(err)] += 1
+                if err.status is None and free_retries > 0 and hasattr(self.engine, "probe"):
+                    # Connection refused / cut / timed out: is the server itself down?
+                    if await self._gate(err.endpoint):
+                        free_retries -= 1
+                        attempt -= 1  # it was the server, not this sample: retry for free
+                        continue
                 if attempt >= e.max_attempts:
                     raise SampleFailed(err, attempt) from err
                 run.journal.stats.retries += 1
@@ -206,6 +218,52 @@ class Runner:
             except RequestRejected as err:
                 run.journal.stats.errors[self._err_key(err)] += 1
                 raise SampleFailed(err, attempt) from err
+
+    async def _gate(self, endpoint: str) -> bool:
+        """Probe `endpoint` once (shared by every request that failed on it); if it is down, wait
+        until every health tier passes again. Returns True when the endpoint had been down."""
+        fut = self._gates.get(endpoint)
+        if fut is None or fut.done():
+            fut = asyncio.ensure_future(self._probe_until_healthy(endpoint))
+            self._gates[endpoint] = fut
+        return await asyncio.shield(fut)
+
+    async def _probe_until_healthy(self, endpoint: str) -> bool:
+        from ..checks.server import ServerUnhealthy, wait_until_healthy
+
+        rep = await self.engine.probe(endpoint, progress_window_s=0.5, completion_timeout_s=60.0)
+        if rep.ok:
+            return False
+        bad = rep.first_failure()
+        reason = f"{bad.name} {bad.status}: {bad.evidence}" if bad else "unhealthy"
+        since = time.time()
+        self.servers[endpoint] = {"state": "down", "since": since, "reason": reason}
+        self.engine.down.add(endpoint)
+        log.warning("server %s is down (%s); requests wait behind the health gate", endpoint, reason)
+        if self.alerter:
+            self.alerter.fire("server_down", f"{endpoint}: {reason}", endpoint=endpoint)
+        self.heartbeat()
+        timeout = self.cfg.engine.health_gate_timeout_s
+
+        def on_attempt(n: int, r: Any) -> None:
+            f = r.first_failure()
+            self.servers[endpoint]["reason"] = f"{f.name} {f.status}: {f.evidence}" if f else "recovering"
+            self.servers[endpoint]["probes"] = n
+
+        try:
+            await wait_until_healthy(endpoint, expected_model=self.engine.model, api_key=self.engine._api_key,
+                                     timeout_s=timeout, poll_s=2.0, on_attempt=on_attempt,
+                                     progress_window_s=0.5)
+        except ServerUnhealthy as e:
+            self._fail(ServerUnhealthy(f"{endpoint} stayed down for {timeout:.0f}s: {e}", e.report))
+            raise
+        down_s = time.time() - since
+        self.servers[endpoint] = {"state": "up", "since": time.time(), "last_outage_s": round(down_s, 1)}
+        self.engine.down.discard(endpoint)
+        log.warning("server %s is back after %.0fs; resuming", endpoint, down_s)
+        if self.alerter:
+            self.alerter.fire("server_up", f"{endpoint} back after {down_s:.0f}s", endpoint=endpoint)
+        return True
 
     @staticmethod
     def _err_key(err: EngineError) -> str:
@@ -306,6 +364,10 @@ class Runner:
                 return
             except (asyncio.CancelledError, DiskFull):
                 raise
+            except SpecopsError:
+                # The run is stopping (server gone past the gate's timeout): not this sample's fault,
+                # so it is neither recorded nor parked; a rerun sends it again.
+                return
             except Exception as err:  # a bug or an engine-side surprise: park the sample, keep the run
                 log.error("%s: unexpected error\n%s", sample.id, traceback.format_exc())
                 run.journal.append_failed(
@@ -415,12 +477,27 @@ class Runner:
                 "tokens_per_s": (toks - k0) / dt if dt > 0 else None,
             },
             "datasets": datasets,
+            "servers": self.servers,
             "stop_reason": self.stop_reason,
         }
         atomic_write_json(self.campaign.heartbeat_path, hb, fsync=False)
         if self.on_heartbeat:
             self.on_heartbeat(hb)
         return hb
+
+    def _watch_stall(self, hb: dict[str, Any]) -> None:
+        """In flight but nothing completed for monitor.stall_s: say so loudly (log + alert)."""
+        last = hb.get("last_done_unix") or hb["started"]
+        idle = hb["ts"] - last
+        if hb["in_flight"] and idle > self.cfg.monitor.stall_s:
+            msg = f"stalled: {hb['in_flight']} samples in flight, no completion for {idle:.0f}s"
+            if not getattr(self, "_stalled", False):
+                log.warning(msg)
+            self._stalled = True
+            if self.alerter:
+                self.alerter.fire("stall", msg)
+        else:
+            self._stalled = False
 
     def write_stats(self) -> None:
         for r in self.runs.values():
@@ -439,6 +516,7 @@ class Runner:
                     self.write_stats()
                     last_stats = time.monotonic()
                 hb = self.heartbeat()
+                self._watch_stall(hb)
             except DiskFull as e:
                 self._fail(e)
                 return
