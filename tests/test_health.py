@@ -349,3 +349,19 @@ def test_metrics_from_text_knows_both_flavors_and_unknowns():
     assert (s.flavor, s.running, s.waiting, s.generation_tokens_total, s.kv_cache_usage) == (
         "sglang", 4, 7, 123, 0.8)
     assert metrics_from_text("process_cpu_seconds_total 3\n").flavor is None
+
+
+def test_cli_health_exit_codes(tmp_path):
+    import subprocess
+    import sys
+
+    from specops.testing.fake_server import start_fake_server as _start
+
+    with _start(tmp_path / "ok", model="m1") as srv:
+        good = subprocess.run([sys.executable, "-m", "specops", "health", "--url", srv.url, "--model", "m1",
+                               "--window", "0.2", "--json"], capture_output=True, text=True, timeout=60)
+        bad = subprocess.run([sys.executable, "-m", "specops", "health", "--url", srv.url, "--model", "m2",
+                              "--window", "0.2"], capture_output=True, text=True, timeout=60)
+    assert good.returncode == 0, good.stderr
+    assert [t["status"] for t in json.loads(good.stdout)[0]["tiers"]][:4] == ["pass"] * 4
+    assert bad.returncode == 2 and "m2" in bad.stdout and "m1" in bad.stdout

@@ -68,6 +68,41 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return rep.exit_code
 
 
+def _cmd_health(args: argparse.Namespace) -> int:
+    import os
+
+    from .checks.server import check_endpoint_sync
+    from .errors import ConfigError
+
+    if args.config:
+        from .config import load_config
+        from .models import served_name
+
+        cfg = load_config(args.config)
+        urls = [args.url] if args.url else cfg.engine.endpoints
+        model = args.model or served_name(cfg.target.model, cfg.target.served_name)
+        key = os.environ.get(cfg.engine.api_key_env) if cfg.engine.api_key_env else None
+    else:
+        if not (args.url and args.model):
+            raise ConfigError("health: give a campaign.toml, or both --url and --model")
+        urls, model, key = [args.url], args.model, None
+    if args.api_key_env:
+        key = os.environ.get(args.api_key_env)
+    if not urls:
+        raise ConfigError("engine.endpoints: no endpoint to check (engine.kind is not 'openai')")
+    reports = [check_endpoint_sync(u, expected_model=model, api_key=key, progress_window_s=args.window,
+                                   completion_timeout_s=args.completion_timeout) for u in urls]
+    if args.json:
+        print(json.dumps([r.to_json() for r in reports], indent=1))
+    else:
+        from rich.console import Console
+
+        con = Console()
+        for r in reports:
+            con.print(r.render())
+    return max(r.exit_code for r in reports)
+
+
 def _cmd_stop(args: argparse.Namespace) -> int:
     from .runctl import resolve_campaign_arg, stop
 
@@ -101,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--interval", type=float, default=2.0, help="--watch refresh seconds")
     st.add_argument("--stall-s", type=float, default=300.0, help="in flight with no completion for this long = stalled")
     st.set_defaults(func=_cmd_status)
+
+    h = sub.add_parser("health", help="tiered server check: tcp, /health, models, a real completion, progress")
+    h.add_argument("config", nargs="?", help="campaign.toml (endpoints, served model id, key variable)")
+    h.add_argument("--url", help="an OpenAI base URL ending in /v1 (instead of, or overriding, the config)")
+    h.add_argument("--model", help="the model id the server must list")
+    h.add_argument("--api-key-env", help="NAME of the environment variable holding the API key")
+    h.add_argument("--window", type=float, default=3.0, help="seconds between the two /metrics reads")
+    h.add_argument("--completion-timeout", type=float, default=60.0)
+    h.add_argument("--json", action="store_true")
+    h.set_defaults(func=_cmd_health)
 
     sp = sub.add_parser("stop", help="stop a running (e.g. detached) phase gracefully")
     sp.add_argument("campaign", nargs="?", help="campaign directory or its campaign.toml (default: .)")
