@@ -154,7 +154,7 @@ def test_campaign_against_real_vllm(server, tmp_path, shared_data):
     recs = [json.loads(x) for name in ("spec", "mt")
             for x in (tmp_path / "camp" / "generate" / name / "records.jsonl").read_text().splitlines()]
     n_turns = sum(len(r["turns"]) for r in recs)
-    assert sent == n_turns  # one request per generated turn, no retries needed
+    assert sent == n_turns + 1  # one request per generated turn, plus the health gate's probe
     for r in recs:
         assert r["model"] == SERVED and r["content"].strip()
         for t in r["turns"]:
@@ -165,7 +165,7 @@ def test_campaign_against_real_vllm(server, tmp_path, shared_data):
         roles = [m["role"] for m in r["messages"] if m["role"] != "system"]
         assert roles == ["user", "assistant", "user", "assistant"] and len(r["turns"]) == 2
     again = run_generate(cfg, progress=False)
-    assert _successes(server) - before == sent  # resume: nothing sent twice
+    assert _successes(server) - before == sent + 1  # resume: only the gate's probe, no sample twice
     assert again.datasets["spec"]["skipped_at_start"] == 6
 
 
