@@ -103,6 +103,47 @@ def _cmd_health(args: argparse.Namespace) -> int:
     return max(r.exit_code for r in reports)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    from . import serve
+    from .campaign import Campaign
+    from .config import load_config
+
+    cfg = load_config(args.config)
+    camp = Campaign.create_or_open(cfg)
+    if args.stop:
+        print(serve.stop_recorded(camp, cfg.serve.port))
+        return 0
+    print(f"starting {cfg.serve.engine} for {cfg.target.model} on {cfg.serve.host}:{cfg.serve.port} "
+          f"(log {camp.run_dir / f'serve-{cfg.serve.port}.log'})", file=sys.stderr, flush=True)
+    srv = serve.start(cfg, camp, on_poll=serve.follow_log())
+    print(f"ready in {srv.startup_s:.1f}s: {srv.url} (process group {srv.pgid})", flush=True)
+    from .checks.server import check_endpoint_sync
+
+    rep = check_endpoint_sync(srv.url, expected_model=srv.served_name, progress_window_s=0.5)
+    from rich.console import Console
+
+    Console(stderr=True).print(rep.render())
+    if args.detach:
+        print(f"left running; stop with: specops serve {args.config} --stop", flush=True)
+        return rep.exit_code
+    stop = {"sig": None}
+
+    def on_sig(signum, frame):
+        stop["sig"] = signum
+
+    signal.signal(signal.SIGTERM, on_sig)
+    signal.signal(signal.SIGINT, on_sig)
+    try:
+        while stop["sig"] is None and srv.running():
+            signal.pause() if hasattr(signal, "pause") else None
+    finally:
+        srv.stop()
+    print("server stopped (whole process group)", file=sys.stderr)
+    return 0
+
+
 def _cmd_stop(args: argparse.Namespace) -> int:
     from .runctl import resolve_campaign_arg, stop
 
@@ -146,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--completion-timeout", type=float, default=60.0)
     h.add_argument("--json", action="store_true")
     h.set_defaults(func=_cmd_health)
+
+    sv = sub.add_parser("serve", help="launch vLLM/SGLang for the target, follow the load, stop it cleanly")
+    sv.add_argument("config", help="campaign.toml ([target], [serve])")
+    sv.add_argument("--detach", action="store_true", help="leave the server running once healthy")
+    sv.add_argument("--stop", action="store_true", help="stop the server this campaign started")
+    sv.set_defaults(func=_cmd_serve)
 
     sp = sub.add_parser("stop", help="stop a running (e.g. detached) phase gracefully")
     sp.add_argument("campaign", nargs="?", help="campaign directory or its campaign.toml (default: .)")

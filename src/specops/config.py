@@ -100,6 +100,39 @@ class MonitorSection:
 
 
 @dataclass(kw_only=True)
+class BuildSection:
+    val_fraction: float = 0.02  # share of samples held out (at least 1 when there are >= 2)
+    max_length: int = 2048  # tokens per sample
+    # truncate: keep the first max_length tokens; drop: exclude longer samples
+    truncation: Literal["truncate", "drop"] = "truncate"
+    draft_vocab_size: int = 32000  # capped by the target's vocab_size
+    seed: int | None = None  # shuffle/split seed; default: campaign.seed
+    dedupe: bool = True  # drop repeats of an already-seen rendered conversation
+    # Exclude "save"-mode records with empty reasoning: None = only in datasets where at least half
+    # of the records carry reasoning; true = always; false = never.
+    require_reasoning: bool | None = None
+
+
+@dataclass(kw_only=True)
+class ServeSection:
+    """`specops serve`: launch vLLM or SGLang for the target with flags derived from here."""
+
+    engine: Literal["vllm", "sglang"] = "vllm"
+    python: str | None = None  # interpreter with vLLM/SGLang installed; default: this one
+    host: str = "127.0.0.1"  # loopback unless you mean otherwise
+    port: int = 8000
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    max_model_len: int | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    gpus: list[int] | None = None  # CUDA_VISIBLE_DEVICES; checked by preflight before launch
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 1800.0
+
+
+@dataclass(kw_only=True)
 class DatasetSection:
     name: str
     # A built-in source (sharegpt, bfcl, mtbench, humaneval, gsm8k, alpacaeval, spec_bench) or "file".
@@ -119,13 +152,72 @@ class DatasetSection:
 
 
 @dataclass(kw_only=True)
+class ExtractSection:
+    # "input-to-layer" ids (= HF hidden_states index); default [2, L//2, L-3] of the target's L.
+    aux_layer_ids: list[int] | None = None
+    # float8_e4m3fn: per-token absmax scales, about half the bytes of bfloat16.
+    dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
+    token_budget: int = 16384  # tokens (padding included) per forward batch
+    shard_tokens: int = 1 << 20  # tokens per shard file
+    device: str = "auto"  # auto: cuda:<LOCAL_RANK> if available else cpu
+    mode: Literal["offline", "online"] = "offline"  # online: training computes features in process
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    mode: Literal["offline", "online"] = "offline"  # offline: read features/; online: target runs in process
+    ttt_steps: int = 7  # training-time-test unroll K
+    loss_decay: float = 0.8  # step k's loss weight is loss_decay**k
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    epochs: int = 10
+    total_steps: int | None = None  # optimizer steps; default: epochs over the train split
+    batch_tokens: int = 16384  # padded tokens per micro-batch (length-bucketed)
+    max_seq_len: int | None = None  # truncate longer samples; default: as build wrote them
+    grad_accum: int = 1
+    max_grad_norm: float = 0.5
+    weight_decay: float = 0.0
+    log_every: int = 10
+    eval_every: int = 500
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 2
+    draft_vocab_size: int | None = None  # default: build/vocab.safetensors; set = checked against it
+    freeze_embeddings: bool = True
+    norm_before_residual: bool = False
+    device: str = "auto"  # auto: cuda:<LOCAL_RANK> if available else cpu
+    seed: int | None = None  # default: campaign.seed
+
+    def __post_init__(self) -> None:
+        for k in ("ttt_steps", "epochs", "batch_tokens", "grad_accum", "log_every", "eval_every",
+                  "checkpoint_every", "keep_checkpoints", "total_steps", "max_seq_len", "draft_vocab_size"):
+            v = getattr(self, k)
+            if v is not None and v <= 0:
+                raise ConfigError(f"train.{k}: must be > 0, got {v}")
+        for k in ("lr", "max_grad_norm"):
+            if getattr(self, k) <= 0:
+                raise ConfigError(f"train.{k}: must be > 0, got {getattr(self, k)}")
+        for k in ("warmup_steps", "weight_decay"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"train.{k}: must be >= 0, got {getattr(self, k)}")
+        if not 0 < self.loss_decay <= 1:
+            raise ConfigError(f"train.loss_decay: must be in (0, 1], got {self.loss_decay}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(kw_only=True)
 class Config:
     campaign: CampaignSection = field(default_factory=CampaignSection)
     target: TargetSection = field(default_factory=TargetSection)
     engine: EngineSection = field(default_factory=EngineSection)
     generate: GenerateSection = field(default_factory=GenerateSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
+    serve: ServeSection = field(default_factory=ServeSection)
+    build: BuildSection = field(default_factory=BuildSection)
     datasets: list[DatasetSection] = field(default_factory=list)
+    extract: ExtractSection = field(default_factory=ExtractSection)
+    train: TrainSection = field(default_factory=TrainSection)
     source_path: Path | None = None  # where it was loaded from (not a TOML key)
 
     def to_dict(self) -> dict[str, Any]:
@@ -315,6 +407,12 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"monitor.alert_url: expected an http(s) URL, got {m.alert_url!r}")
     if m.metrics_port is not None and not 0 < m.metrics_port < 65536:
         raise ConfigError(f"monitor.metrics_port: must be a TCP port, got {m.metrics_port}")
+
+    sv = cfg.serve
+    if not 0 < sv.port < 65536:
+        raise ConfigError(f"serve.port: must be a TCP port, got {sv.port}")
+    for k in ("tensor_parallel_size", "data_parallel_size", "startup_timeout_s"):
+        _check_positive(getattr(sv, k), f"serve.{k}")
 
     if not cfg.datasets:
         raise ConfigError("datasets: at least one [[datasets]] entry is required")
