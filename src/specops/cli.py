@@ -144,6 +144,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_preflight(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .preflight import run_preflight
+
+    cfg = load_config(args.config) if args.config else None
+    phases = args.phases.split(",") if args.phases else ["generate", "build", "extract", "train"]
+    ports = [int(p) for p in args.ports.split(",")] if args.ports else []
+    rep = run_preflight(cfg, phases=phases, campaign_dir=cfg.campaign_dir() if cfg else None,
+                        ports=ports, need_gpus=args.gpus)
+    if args.json:
+        print(json.dumps(rep.to_json(), indent=1))
+    else:
+        from rich.console import Console
+
+        Console().print(rep.render())
+    return rep.exit_code
+
+
 def _cmd_stop(args: argparse.Namespace) -> int:
     from .runctl import resolve_campaign_arg, stop
 
@@ -177,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--interval", type=float, default=2.0, help="--watch refresh seconds")
     st.add_argument("--stall-s", type=float, default=300.0, help="in flight with no completion for this long = stalled")
     st.set_defaults(func=_cmd_status)
+
+    pf = sub.add_parser("preflight", help="can I start? every GPU, disk vs forecast, RAM, model files, ports")
+    pf.add_argument("config", nargs="?", help="campaign.toml")
+    pf.add_argument("--phases", help="comma-separated phases to forecast (default: generate,build,extract,train)")
+    pf.add_argument("--gpus", type=int, default=0, help="GPUs the planned phases need (0: none required)")
+    pf.add_argument("--ports", help="comma-separated ports that must be free")
+    pf.add_argument("--json", action="store_true")
+    pf.set_defaults(func=_cmd_preflight)
 
     h = sub.add_parser("health", help="tiered server check: tcp, /health, models, a real completion, progress")
     h.add_argument("config", nargs="?", help="campaign.toml (endpoints, served model id, key variable)")

