@@ -129,6 +129,10 @@ def collect(campaign_dir: str | Path, *, stall_s: float = 300.0, heartbeat_stale
                                                       if v.get("state") != "pending") else "idle")
 
     du = shutil.disk_usage(camp.root)
+    forecast = _forecast_left(manifest)
+    if forecast is not None and forecast > du.free:
+        problems.append(f"disk: the phases still to run may write {forecast / 1e9:,.1f} GB, "
+                        f"only {du.free / 1e9:,.1f} GB free at {camp.root}")
     data = {
         "pid": (holder or {}).get("pid"),
         "alive": alive,
@@ -148,11 +152,39 @@ def collect(campaign_dir: str | Path, *, stall_s: float = 300.0, heartbeat_stale
         "remaining": remaining,
         "eta_s": None if eta is None else round(eta, 1),
         "error_rate": _error_rate(datasets),
-        "disk": {"path": str(camp.root), "free_bytes": du.free, "total_bytes": du.total},
+        "disk": {"path": str(camp.root), "free_bytes": du.free, "total_bytes": du.total,
+                 "forecast_pending_bytes": forecast},
+        "gpus": _gpus(),
         "stop_reason": hb.get("stop_reason"),
         "log_tail": _tail(camp.log_path),
     }
     return StatusReport(str(camp.root), state, problems, data)
+
+
+def _gpus() -> dict[str, Any]:
+    """Per-GPU memory and utilisation (NVML; cheap). No driver -> say so, not an error."""
+    try:
+        from .checks.gpu import GpuUnavailable, snapshot
+    except ImportError:
+        return {"available": False, "reason": "checks unavailable"}
+    try:
+        return {"available": True, "devices": snapshot()}
+    except GpuUnavailable as e:
+        return {"available": False, "reason": f"no NVIDIA driver ({e})"}
+
+
+def _forecast_left(manifest: dict[str, Any]) -> int | None:
+    """Bytes the phases not yet done may still write (an upper bound; None if unknown)."""
+    try:
+        from .checks.forecast import forecast_campaign
+        from .config import config_from_dict
+
+        cfg = config_from_dict(manifest["config"])
+        pending = [p for p, v in manifest.get("phases", {}).items()
+                   if v.get("state") != "done" and p in ("generate", "build", "extract", "train")]
+        return sum(forecast_campaign(cfg, phases=pending).values()) if pending else 0
+    except Exception:  # a forecast must never break status
+        return None
 
 
 def _error_rate(datasets: dict[str, Any]) -> float | None:
@@ -184,6 +216,18 @@ def render(report: StatusReport):
         head.append(f"  error rate {d['error_rate']:.1%}")
     free = d["disk"]["free_bytes"] / 1e9
     head.append(f"\ndisk free: {free:,.1f} GB at {d['disk']['path']}")
+    fc = d["disk"].get("forecast_pending_bytes")
+    if fc is not None:
+        head.append(f" (phases still to run may write {fc / 1e9:,.1f} GB)")
+    g = d.get("gpus") or {}
+    if g.get("available"):
+        for dev in g["devices"]:
+            head.append(f"\nGPU {dev.get('index')}: {(dev.get('memory_used') or 0) / 2**30:.1f}/"
+                        f"{(dev.get('memory_total') or 0) / 2**30:.0f} GiB, util {dev.get('utilization_gpu', '-')}%")
+    else:
+        head.append(f"\nGPUs: {g.get('reason', '-')}")
+    for ep, sv in (d.get("servers") or {}).items():
+        head.append(f"\nserver {ep}: {sv.get('state')}")
     t = Table()
     for col in ("dataset", "done", "total", "failed", "quarantined", "in flight", "out tokens", "p50 s"):
         t.add_column(col, justify="left" if col == "dataset" else "right")
