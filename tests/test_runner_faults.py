@@ -118,3 +118,20 @@ def test_second_run_sends_nothing(tmp_path):
         s2 = run_generate(cfg, progress=False)
         assert len(samples()) == n
     assert s2.datasets["ds"]["done"] == 10 and s2.datasets["ds"]["skipped_at_start"] == 10
+
+
+def test_multi_turn_history_sends_no_reasoning(tmp_path):
+    prompts = tmp_path / "mt.jsonl"
+    prompts.write_text(json.dumps({"id": "c1", "messages": [
+        {"role": "user", "content": "first"}, {"role": "assistant", "content": "old answer"},
+        {"role": "user", "content": "second"}]}) + "\n")
+    with start_fake_server(tmp_path / "srv", model="fake-model", log_bodies=True) as srv:
+        cfg = make_cfg(tmp_path, srv.url, prompts)
+        run_generate(cfg, progress=False)
+        reqs = [r for r in srv.requests() if r["sample"] == "ds/c1"]
+    rec = read_jsonl(tmp_path / "camp" / "generate" / "ds" / "records.jsonl")[0]
+    assert [m["role"] for m in rec["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert rec["messages"][1]["content"] != "old answer" and rec["messages"][1]["reasoning"]
+    assert rec["turns"][0]["index"] == 1 and rec["turns"][1]["index"] == 3
+    second = reqs[1]["body"]["messages"]
+    assert second[1]["content"] == rec["messages"][1]["content"] and "reasoning" not in second[1]

@@ -26,7 +26,7 @@ def test_serve_real_vllm_start_health_stop(tmp_path, shared_data):
     cfg = tmp_path / "c.toml"
     cfg.write_text(
         f'[campaign]\nname = "s"\ndir = "{tmp_path / "camp"}"\n[target]\nmodel = "smollm2"\n'
-        f'[serve]\nengine = "vllm"\npython = "{py}"\nport = {port}\n'
+        f'[serve]\nengine = "vllm"\npython = "{py}"\nport = {port}\ngpus = []\n'
         f'extra_args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]\n'
         f'[[datasets]]\nname = "x"\nsource = "spec_bench"\npath = "{shared_data / "spec_bench"}"\n'
     )
@@ -53,3 +53,22 @@ def test_serve_real_vllm_start_health_stop(tmp_path, shared_data):
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a new server would; TIME_WAIT is fine
     s.bind(("127.0.0.1", port))  # nothing listens there any more
     s.close()
+
+
+def test_serve_refuses_busy_gpu_before_launch(tmp_path):
+    """GPU 3 busy on an 8-GPU host (a recorded description): serve refuses without starting anything."""
+    from pathlib import Path
+
+    from specops.checks.gpu import RecordedSource
+    from specops.config import config_from_dict
+    from specops.errors import SpecopsError
+    from specops.serve import check_gpus_free
+
+    fixture = Path(__file__).parent / "fixtures" / "gpus" / "h200x8_gpu3_busy.json"
+    cfg = config_from_dict({"serve": {"tensor_parallel_size": 8, "python": "/nonexistent/python"},
+                            "datasets": [{"name": "x", "source": "gsm8k"}]})
+    with pytest.raises(SpecopsError, match="refusing to start the server: .*GPU 3"):
+        check_gpus_free(cfg, RecordedSource(fixture))
+    cfg.serve.tensor_parallel_size = 4
+    cfg.serve.gpus = [0, 1, 2, 4]  # steer around the busy GPU: allowed
+    check_gpus_free(cfg, RecordedSource(fixture))

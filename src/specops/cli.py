@@ -162,6 +162,28 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
     return rep.exit_code
 
 
+def _cmd_build(args: argparse.Namespace) -> int:
+    from .build import run_build
+    from .config import load_config
+
+    cfg = load_config(args.config)
+    if args.campaign:
+        cfg.campaign.dir = args.campaign
+    m = run_build(cfg)
+    if args.json:
+        print(json.dumps(m, indent=1))
+    else:
+        print(_build_line(m))
+    return 0
+
+
+def _build_line(m: dict) -> str:
+    c = m.get("counts", {})
+    keys = ", ".join(f"{k} {v}" for k, v in c.items() if isinstance(v, int))
+    cov = m.get("draft_vocab", {}).get("coverage_train") if isinstance(m.get("draft_vocab"), dict) else None
+    return f"build done: {keys}" + (f"; draft-vocab coverage {cov:.1%}" if isinstance(cov, float) else "")
+
+
 def _cmd_stop(args: argparse.Namespace) -> int:
     from .runctl import resolve_campaign_arg, stop
 
@@ -195,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--interval", type=float, default=2.0, help="--watch refresh seconds")
     st.add_argument("--stall-s", type=float, default=300.0, help="in flight with no completion for this long = stalled")
     st.set_defaults(func=_cmd_status)
+
+    b = sub.add_parser("build", help="merge, dedupe, shuffle, tokenize with loss masks; pick the draft vocab")
+    b.add_argument("config", help="campaign.toml")
+    b.add_argument("--campaign", help="campaign directory (default: from the config)")
+    b.add_argument("--json", action="store_true", help="print the build manifest")
+    b.set_defaults(func=_cmd_build)
 
     pf = sub.add_parser("preflight", help="can I start? every GPU, disk vs forecast, RAM, model files, ports")
     pf.add_argument("config", nargs="?", help="campaign.toml")

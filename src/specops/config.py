@@ -126,7 +126,8 @@ class ServeSection:
     max_model_len: int | None = None
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
-    gpus: list[int] | None = None  # CUDA_VISIBLE_DEVICES; checked by preflight before launch
+    # CUDA_VISIBLE_DEVICES, checked by preflight before launch; None: any tp*dp free GPUs; []: a CPU server
+    gpus: list[int] | None = None
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 1800.0

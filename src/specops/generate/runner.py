@@ -279,7 +279,10 @@ class Runner:
         comps: list[Completion] = []
 
         async def gen() -> None:
-            comp, attempts = await self._call(run, sample, list(history))
+            # The server sees no reasoning of earlier turns (chat templates drop it); the record keeps it.
+            sent = [{k: v for k, v in m.items() if k != "reasoning"} if m.get("role") == "assistant" else m
+                    for m in history]
+            comp, attempts = await self._call(run, sample, sent)
             comps.append(comp)
             amsg: dict[str, Any] = {"role": "assistant", "content": comp.content}
             if comp.tool_calls:
@@ -312,7 +315,6 @@ class Runner:
                 history.append(m)
                 if m.get("role") == "user":
                     await gen()
-        # History sent to the server carries no reasoning; the stored messages do.
         last = comps[-1]
         rec: dict[str, Any] = {
             "id": sample.id,

@@ -250,6 +250,7 @@ class ServerOptions:
     tokens_per_s: float = 0.0  # 0 = answers are instant
     log_path: Path | None = None
     log_sync: bool = False
+    log_bodies: bool = False  # also log each chat request's JSON body (tests of what was sent)
 
 
 def _text(content: Any) -> str:
@@ -321,12 +322,17 @@ class FakeServer:
         self.script = script
 
     def log(self, t: float, n: int, sample: str | None, attempt: str | None, status: int,
-            fault: str | None) -> None:
+            fault: str | None, raw: bytes | None = None) -> None:
         if self._log is None:
             return
         att: int | str | None = int(attempt) if attempt is not None and attempt.isdigit() else attempt
         line = {"t": round(t, 6), "dt": round(time.time() - t, 6), "n": n, "sample": sample,
                 "attempt": att, "status": status, "fault": fault}
+        if self.opts.log_bodies and raw is not None:
+            try:
+                line["body"] = json.loads(raw)
+            except ValueError:
+                line["body"] = raw[:200].decode("utf-8", "replace")
         self._log.write(json.dumps(line) + "\n")
         if self.opts.log_sync:
             self._log.flush()
@@ -408,7 +414,7 @@ class FakeServer:
             return resp
         finally:
             self.running -= 1
-            self.log(t, n, sample, attempt, status, fault)
+            self.log(t, n, sample, attempt, status, fault, raw)
 
     async def _answer(self, request: web.Request, raw: bytes, sample: str | None,
                       n: int) -> tuple[int, str | None, web.StreamResponse]:
@@ -565,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port-file", type=Path, required=True)
     ap.add_argument("--log", type=Path, default=None, help="request log, one JSON line per chat")
     ap.add_argument("--log-sync", action="store_true", help="flush the log after every line")
+    ap.add_argument("--log-bodies", action="store_true", help="log each chat request's JSON body too")
     ap.add_argument("--script", default=None, help="fault script: a path or inline JSON")
     ap.add_argument("--model", default="fake-model")
     ap.add_argument("--reasoning-field", default="reasoning", choices=REASONING_FIELDS)
@@ -576,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     opts = ServerOptions(port=args.port, model=args.model, reasoning_field=args.reasoning_field,
-                         tokens_per_s=args.tokens_per_s, log_path=args.log, log_sync=args.log_sync)
+                         tokens_per_s=args.tokens_per_s, log_path=args.log, log_sync=args.log_sync,
+                         log_bodies=args.log_bodies)
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -684,7 +692,7 @@ class FakeServerProcess(_Handle):
 def start_fake_server(tmp_dir: str | os.PathLike[str], script: Any = None, *,
                       model: str = "fake-model", reasoning_field: str = "reasoning",
                       tokens_per_s: float = 0.0, log_sync: bool = False, port: int = 0,
-                      timeout: float = 15.0) -> FakeServerProcess:
+                      timeout: float = 15.0, log_bodies: bool = False) -> FakeServerProcess:
     """Start `python -m specops.testing.fake_server` in a new process group; wait for its port.
 
     `script`: None, a list/dict (written to a file), or a str/Path passed through as --script.
@@ -699,6 +707,8 @@ def start_fake_server(tmp_dir: str | os.PathLike[str], script: Any = None, *,
            "--reasoning-field", reasoning_field, "--tokens-per-s", str(tokens_per_s)]
     if log_sync:
         cmd.append("--log-sync")
+    if log_bodies:
+        cmd.append("--log-bodies")
     if isinstance(script, (list, dict)):
         (workdir / "script.json").write_text(json.dumps(script))
         cmd += ["--script", str(workdir / "script.json")]
