@@ -184,6 +184,20 @@ def _build_line(m: dict) -> str:
     return f"build done: {keys}" + (f"; draft-vocab coverage {cov:.1%}" if isinstance(cov, float) else "")
 
 
+def _cmd_extract(args: argparse.Namespace) -> int:
+    """Target hidden states -> features/ (under torchrun: each rank its own shards)."""
+    from . import extract
+    from .runctl import resolve_campaign_arg
+
+    camp = resolve_campaign_arg(args.campaign)
+    if args.campaign and args.campaign.endswith(".toml"):
+        from .campaign import Campaign
+        from .config import load_config
+
+        Campaign.create_or_open(load_config(args.campaign))  # copy the config in if new
+    return extract.main([str(camp.root), "--split", args.split])
+
+
 def _cmd_stop(args: argparse.Namespace) -> int:
     from .runctl import resolve_campaign_arg, stop
 
@@ -223,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--campaign", help="campaign directory (default: from the config)")
     b.add_argument("--json", action="store_true", help="print the build manifest")
     b.set_defaults(func=_cmd_build)
+
+    ex = sub.add_parser("extract", help="target hidden states (3 aux layers + pre-norm final) -> features/")
+    ex.add_argument("campaign", help="campaign directory or its campaign.toml")
+    ex.add_argument("--split", choices=("train", "val", "both"), default="both")
+    ex.set_defaults(func=_cmd_extract)
 
     pf = sub.add_parser("preflight", help="can I start? every GPU, disk vs forecast, RAM, model files, ports")
     pf.add_argument("config", nargs="?", help="campaign.toml")

@@ -92,3 +92,30 @@ def served_name(model: str, explicit: str | None) -> str:
     if model == SMOLLM2_NAME:
         return SMOLLM2_NAME
     return Path(model).name
+
+
+def resolve_device(device: "str | torch.device | None") -> "torch.device":
+    """"auto" -> cuda when available, else cpu."""
+    import torch
+
+    if isinstance(device, torch.device):
+        return device
+    if device in ("auto", "", None):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: "str | torch.dtype | None", device: "torch.device") -> "torch.dtype":
+    """"auto" -> float32 on CPU (bf16 matmuls are ~14x slower there), bf16 on CUDA."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in ("auto", "", None):
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype: expected auto, float32, bfloat16 or float16, got {dtype!r}")
+    return table[dtype]

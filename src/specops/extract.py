@@ -1,0 +1,893 @@
+"""Extract: the target's hidden states for EAGLE-3 training, as feature shards.
+
+    build/<split>.safetensors -> features/<split>/shard-<rank>-<k>.safetensors (+ <name>.done), index.json
+
+What is captured (DESIGN, "EAGLE-3 conventions"):
+
+* `aux` [N, 3, H]: the INPUTS to layers `aux_layer_ids` ("input-to-layer" = HF `output_hidden_states`
+  index i; i = 0 is the embedding output, i = L the last layer's output). Forward pre-hooks on those
+  layers copy them into one preallocated buffer, so the L+1 hidden states are never all held.
+* `final` [N, H]: the last decoder layer's output BEFORE the final norm, taken as the norm's input
+  by a pre-hook on it. HF's `hidden_states[-1]` cannot serve: transformers 5's `capture_outputs`
+  replaces it with `last_hidden_state`, the norm's OUTPUT. Teacher logits = lm_head(norm(final)).
+
+Only the decoder stack runs (never lm_head: [B, T, vocab] logits would dwarf the features).
+
+Shard plan, a pure function of (build offsets, shard_tokens, world size): samples in build order
+are cut into consecutive runs of at most `shard_tokens` tokens (a longer sample is a shard of its
+own); global shard g belongs to rank g % W as that rank's shard k = g // W. Inside a shard, samples
+are sorted longest first and packed into forward batches of <= token_budget padded tokens; rows are
+written back in build order. Right padding under a causal mask leaves every real token's states
+exact (no real token attends to a later position), so batches pass no attention mask.
+
+Resume: a shard is finished when its file and `<name>.done` both exist and the file has the size
+the sidecar records. The sidecar (sha256, bytes, plan key, timings) is written BEFORE the temp file
+`.<name>.tmp` is renamed, so the final name only ever appears complete. Finished shards are skipped,
+never rewritten; shards of a different plan (other layers, dtype, model, build, world size) are
+refused. Rank 0 writes `index.json` last, atomically, once every rank has passed the final barrier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import datetime
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .campaign import Campaign, RunLock, atomic_write_json, read_json
+from .config import Config, load_config
+from .errors import ConfigError, InputError, SpecopsError
+from .models import resolve_device, resolve_dtype
+from .models import resolve_model_dir
+
+log = logging.getLogger("specops.extract")
+
+FORMAT = "specops-features-v1"
+CONVENTION = "input-to-layer (= HF hidden_states index)"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SPLITS = ("train", "val")
+
+_STORE_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+_ST_NAMES = {  # safetensors header dtype names
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
+# Decoder stacks (embed_tokens, layers, norm) inside the HF wrappers, most specific first:
+# multimodal ForConditionalGeneration (transformers 5: model.language_model; 4.x: language_model.model),
+# then plain ForCausalLM (model).
+_DECODER_PATHS = ("model.language_model", "language_model.model", "language_model", "model")
+
+
+def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
+    """vLLM/speculators default, input-to-layer ids: [2, L//2, L-3]."""
+    L = num_hidden_layers
+    return [2, L // 2, L - 3]
+
+
+# ---------------------------------------------------------------------------------------- target
+
+
+@dataclass(eq=False)
+class TargetModel:
+    """A loaded target with the pieces EAGLE-3 needs; `decoder` is the text stack inside `model`."""
+
+    model: nn.Module  # the HF model as loaded (ForCausalLM or a multimodal wrapper)
+    decoder: nn.Module  # embed_tokens, layers, norm; its forward runs the text stack without lm_head
+    lm_head: nn.Module
+    config: Any  # the text config
+    model_dir: Path
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.weight.shape[0])
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.decoder.norm
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.decoder.embed_tokens
+
+    def forward_features(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        layer_ids: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, T] -> (aux [B, T, len(layer_ids), H], final [B, T, H]), model dtype, on device.
+
+        attention_mask None: rows are unpadded or RIGHT-padded; positions are 0..T-1 and the
+        causal mask alone keeps real tokens exact. attention_mask [B, T] (1 = real token): any
+        padding side; positions count real tokens only. Values at padded positions are garbage.
+        Runs under the caller's grad mode (see `compute_features`).
+        """
+        L, H = self.num_hidden_layers, self.hidden_size
+        ids = list(default_aux_layer_ids(L) if layer_ids is None else layer_ids)
+        for i in ids:
+            if not 0 <= i <= L:
+                raise ValueError(f"aux layer id {i} out of range 0..{L} (input-to-layer ids)")
+        input_ids = input_ids.to(self.device, torch.long)
+        B, T = input_ids.shape
+        aux = torch.empty(B, T, len(ids), H, dtype=self.dtype, device=self.device)
+        final = torch.empty(B, T, H, dtype=self.dtype, device=self.device)
+
+        # One pre-hook per module; layer id L is the norm's input, the same tensor as `final`.
+        targets: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        for j, i in enumerate(ids):
+            targets[i].append(aux[:, :, j])
+        targets[L].append(final)
+        fired = collections.Counter()
+
+        def make_hook(i: int, dests: list[torch.Tensor]):
+            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                h = args[0] if args else kwargs["hidden_states"]
+                if h.shape != (B, T, H):
+                    raise SpecopsError(
+                        f"{type(module).__name__} (input to layer {i}) got a hidden state of shape "
+                        f"{tuple(h.shape)}, expected {(B, T, H)}: unsupported decoder structure"
+                    )
+                for d in dests:
+                    d.copy_(h)  # copy at once: the layer may reuse or free its input
+                fired[i] += 1
+
+            return hook
+
+        handles = []
+        try:
+            for i, dests in targets.items():
+                module = self.norm if i == L else self.layers[i]
+                handles.append(module.register_forward_pre_hook(make_hook(i, dests), with_kwargs=True))
+            kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
+            if attention_mask is not None:
+                mask = attention_mask.to(self.device, torch.long)
+                kwargs["attention_mask"] = mask
+                kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp_(min=0)
+            self.decoder(**kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        if any(fired[i] != 1 for i in targets):
+            raise SpecopsError(
+                f"{type(self.decoder).__name__}: hooks fired {dict(fired)} times for layers {sorted(targets)} "
+                "(expected once each): unsupported decoder structure"
+            )
+        return aux, final
+
+
+def read_text_config(model_dir: str | os.PathLike[str]) -> Any:
+    """The text part of a model's config (itself for plain LMs, `text_config` for wrappers). Cheap."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir)).get_text_config()
+
+
+def _get_path(root: nn.Module, path: str) -> nn.Module | None:
+    m: Any = root
+    for part in path.split("."):
+        m = getattr(m, part, None)
+        if m is None:
+            return None
+    return m if isinstance(m, nn.Module) else None
+
+
+def find_decoder(model: nn.Module, num_hidden_layers: int) -> nn.Module:
+    """The module holding `embed_tokens`, `layers` (>= L of them) and `norm` inside an HF model."""
+
+    def is_decoder(m: nn.Module | None) -> bool:
+        return (
+            m is not None
+            and isinstance(getattr(m, "layers", None), nn.ModuleList)
+            and len(m.layers) >= num_hidden_layers
+            and isinstance(getattr(m, "embed_tokens", None), nn.Module)
+            and isinstance(getattr(m, "norm", None), nn.Module)
+        )
+
+    for path in _DECODER_PATHS:
+        m = _get_path(model, path)
+        if is_decoder(m):
+            return m
+    found = [name for name, m in model.named_modules() if is_decoder(m)]
+    if len(found) == 1:
+        return model.get_submodule(found[0])
+    raise SpecopsError(
+        f"{type(model).__name__}: cannot find the text decoder (a module with embed_tokens, "
+        f"{num_hidden_layers} layers and norm); candidates: {found or 'none'}"
+    )
+
+
+def load_target(
+    model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"
+) -> TargetModel:
+    """Load a causal LM, or a multimodal wrapper whose language model sits under `text_config`.
+
+    dtype "auto": bf16 on CUDA, fp32 on CPU. Weights go straight to `device` (no CPU staging copy).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    model_dir = Path(model_dir)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    config = AutoConfig.from_pretrained(str(model_dir))
+    # The auto mappings are keyed by config class: plain LMs (and some wrappers, e.g. Gemma3) are
+    # causal LMs; Llava/Mistral3/Qwen-VL-style wrappers are image-text-to-text models.
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        if type(config) in auto._model_mapping:
+            break
+    else:
+        raise SpecopsError(
+            f"{model_dir}: model type {config.model_type!r} is neither a causal LM nor an "
+            "image-text-to-text model transformers knows"
+        )
+    model = auto.from_pretrained(str(model_dir), dtype=dt, device_map={"": str(dev)})
+    model.eval().requires_grad_(False)
+    text_config = config.get_text_config()
+    decoder = find_decoder(model, int(text_config.num_hidden_layers))
+    lm_head = model.get_output_embeddings()
+    if lm_head is None:
+        raise SpecopsError(f"{type(model).__name__}: no lm_head (output embeddings)")
+    return TargetModel(
+        model=model,
+        decoder=decoder,
+        lm_head=lm_head,
+        config=getattr(decoder, "config", text_config),
+        model_dir=model_dir,
+        device=dev,
+        dtype=dt,
+    )
+
+
+def compute_features(
+    target: TargetModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    layer_ids: Sequence[int] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Online features: {"aux": [B, T, 3, H], "final": [B, T, H] (pre-norm)} in the model's dtype.
+
+    The computation `run_extract` stores (then casts/quantizes with `to_storage`). no_grad rather
+    than inference_mode, so a trainer can feed the results into autograd.
+    """
+    with torch.no_grad():
+        aux, final = target.forward_features(input_ids, attention_mask, layer_ids)
+    return {"aux": aux, "final": final}
+
+
+# ---------------------------------------------------------------------------------------- storage
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] -> (q float8_e4m3fn [..., H], scale float32 [...]) with x ~= q.float() * scale[..., None].
+
+    scale = absmax over H / 448 (per token, per aux layer); an all-zero row gets scale 0 and q 0.
+    """
+    xf = x.float()
+    scale = xf.abs().amax(-1) / FP8_MAX
+    q = (xf / scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.unsqueeze(-1)
+
+
+def to_storage(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """Features as stored in a shard: the tensors for keys aux, final (+ aux_scale, final_scale for fp8)."""
+    if dtype == "bfloat16":
+        return {"aux": aux.to(torch.bfloat16), "final": final.to(torch.bfloat16)}
+    if dtype == "float8_e4m3fn":
+        qa, sa = quantize_fp8(aux)
+        qf, sf = quantize_fp8(final)
+        return {"aux": qa, "aux_scale": sa, "final": qf, "final_scale": sf}
+    raise ValueError(f"feature dtype: expected bfloat16 or float8_e4m3fn, got {dtype!r}")
+
+
+def read_shard(path: str | os.PathLike[str], *, dequantize: bool = False) -> dict[str, torch.Tensor]:
+    """Load a shard; with dequantize, fp8 aux/final come back as float32 (scales applied, keys dropped)."""
+    from safetensors.torch import load_file
+
+    t = load_file(str(path))
+    if dequantize and "aux_scale" in t:
+        t["aux"] = dequantize_fp8(t["aux"], t.pop("aux_scale"))
+        t["final"] = dequantize_fp8(t["final"], t.pop("final_scale"))
+    return t
+
+
+def feature_bytes_per_token(hidden_size: int, dtype: str, n_aux: int = 3) -> int:
+    """Bytes per token in a shard: input_ids (4) + loss_mask (1) + (n_aux + 1) x H features (+ scales)."""
+    if dtype == "bfloat16":
+        return 5 + (n_aux + 1) * hidden_size * 2
+    return 5 + (n_aux + 1) * hidden_size + (n_aux + 1) * 4
+
+
+def shard_layout(n_tokens: int, n_samples: int, hidden_size: int, dtype: str, n_aux: int = 3):
+    """(header bytes, {name: (dtype, shape, byte offset from the file start)}, total file bytes).
+
+    Order: 8-byte types first and loss_mask last, so every tensor starts aligned to its element size.
+    """
+    fdt = _STORE_DTYPES[dtype]
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
+        ("offsets", torch.int64, (n_samples + 1,)),
+        ("sample_index", torch.int64, (n_samples,)),
+    ]
+    if dtype == "float8_e4m3fn":
+        specs += [("aux_scale", torch.float32, (n_tokens, n_aux)), ("final_scale", torch.float32, (n_tokens,))]
+    specs += [
+        ("input_ids", torch.int32, (n_tokens,)),
+        ("aux", fdt, (n_tokens, n_aux, hidden_size)),
+        ("final", fdt, (n_tokens, hidden_size)),
+        ("loss_mask", torch.uint8, (n_tokens,)),
+    ]
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    sizes = []
+    for name, dt, shape in specs:
+        n = dt.itemsize
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": _ST_NAMES[dt], "shape": list(shape), "data_offsets": [pos, pos + n]}
+        sizes.append((name, dt, shape, pos))
+        pos += n
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)  # data section 8-byte aligned, as safetensors pads it
+    head = struct.pack("<Q", len(hb)) + hb
+    layout = {name: (dt, shape, len(head) + off) for name, dt, shape, off in sizes}
+    return head, layout, len(head) + pos
+
+
+def _pwrite_all(fd: int, buf: Any, offset: int) -> None:
+    mv = memoryview(buf).cast("B")
+    while len(mv):
+        n = os.pwrite(fd, mv, offset)  # Linux writes at most ~2 GiB per call
+        mv = mv[n:]
+        offset += n
+
+
+class ShardWriter:
+    """Streams one shard: the header is known up front, rows land at their offsets (pwrite).
+
+    Memory stays at one batch however large the shard; the file is a valid safetensors file
+    once every row is written.
+    """
+
+    def __init__(self, path: Path, n_tokens: int, n_samples: int, hidden_size: int, dtype: str):
+        head, self.layout, self.nbytes = shard_layout(n_tokens, n_samples, hidden_size, dtype)
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        _pwrite_all(self.fd, head, 0)
+        os.ftruncate(self.fd, self.nbytes)
+
+    def write(self, name: str, row: int, t: torch.Tensor) -> None:
+        """Write rows [row, row + len(t)) of tensor `name` (t on CPU, the stored dtype)."""
+        dt, shape, off = self.layout[name]
+        assert t.dtype == dt and tuple(t.shape[1:]) == shape[1:] and row + len(t) <= shape[0], (name, t.shape)
+        if t.numel() == 0:
+            return
+        row_bytes = dt.itemsize
+        for d in shape[1:]:
+            row_bytes *= d
+        _pwrite_all(self.fd, t.contiguous().view(torch.uint8).numpy(), off + row * row_bytes)
+
+    def close(self, *, sync: bool = True) -> None:
+        if self.fd < 0:
+            return
+        try:
+            if sync:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class Shard:
+    g: int  # global shard number (build order)
+    rank: int
+    k: int  # this rank's shard number
+    start: int  # sample rows [start, stop) of build/<split>
+    stop: int
+    tok_start: int  # token range [tok_start, tok_stop) of build/<split>
+    tok_stop: int
+
+    @property
+    def name(self) -> str:
+        return f"shard-{self.rank:02d}-{self.k:05d}.safetensors"
+
+    @property
+    def n_tokens(self) -> int:
+        return self.tok_stop - self.tok_start
+
+    @property
+    def n_samples(self) -> int:
+        return self.stop - self.start
+
+
+def plan_shards(offsets: Sequence[int], shard_tokens: int, world_size: int) -> list[Shard]:
+    """Cut samples (build order) into runs of <= shard_tokens tokens; global shard g -> rank g % W."""
+    if shard_tokens <= 0 or world_size <= 0:
+        raise ValueError("shard_tokens and world_size must be > 0")
+    offs = [int(o) for o in offsets]
+    S = len(offs) - 1
+    shards: list[Shard] = []
+    start = 0
+    while start < S:
+        stop = start + 1
+        while stop < S and offs[stop + 1] - offs[start] <= shard_tokens:
+            stop += 1
+        g = len(shards)
+        shards.append(Shard(g, g % world_size, g // world_size, start, stop, offs[start], offs[stop]))
+        start = stop
+    return shards
+
+
+def plan_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Indices into `lengths`, longest first, packed so len(batch) * max length <= token_budget.
+
+    A sample longer than the budget runs alone. Longest first: an out-of-memory shows in the first
+    batch, not hours in. Zero-length samples are left out (nothing to compute).
+    """
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > token_budget:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+# ---------------------------------------------------------------------------------------- run
+
+
+@dataclass
+class _Split:
+    name: str
+    build_path: Path
+    out_dir: Path
+    offsets: torch.Tensor  # int64 [S+1]
+    shards: list[Shard]
+    plan: dict[str, Any]
+    plan_key: str
+
+    def done_path(self, s: Shard) -> Path:
+        return self.out_dir / (s.name + ".done")
+
+    def finished(self, s: Shard, nbytes: int) -> dict[str, Any] | None:
+        """The sidecar of a finished shard of this plan, or None. A foreign plan's shard is refused."""
+        done = read_json(self.done_path(s))
+        if done is None:
+            return None
+        if done.get("plan_key") != self.plan_key:
+            raise SpecopsError(
+                f"{self.out_dir}: {s.name} belongs to another extraction plan ({done.get('plan')}); "
+                f"this run's plan is {self.plan}. Remove {self.out_dir} to extract again."
+            )
+        path = self.out_dir / s.name
+        if not path.is_file() or path.stat().st_size != nbytes or done.get("bytes") != nbytes:
+            return None
+        return done
+
+
+def _dist_env() -> tuple[int, int, int]:
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    return rank, world, local
+
+
+def _model_fingerprint(model_dir: Path) -> str:
+    # config.json bytes + weight file names and sizes: changes when the target does, costs no reads.
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for p in sorted(model_dir.iterdir()):
+        if p.suffix in (".safetensors", ".bin", ".pt"):
+            h.update(f"{p.name}:{p.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def _open_split(
+    campaign: Campaign, split: str, *, shard_tokens: int, world: int, plan_base: dict[str, Any]
+) -> _Split:
+    from safetensors import safe_open
+
+    build = campaign.root / "build"
+    path = build / f"{split}.safetensors"
+    if not path.is_file():
+        raise InputError(f"{path}: not found; run `specops build` first")
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        missing = {"input_ids", "loss_mask", "offsets"} - keys
+        if missing:
+            raise InputError(f"{path}: missing tensors {sorted(missing)}")
+        offsets = f.get_tensor("offsets").to(torch.int64)
+        n_ids = f.get_slice("input_ids").get_shape()[0]
+        n_mask = f.get_slice("loss_mask").get_shape()[0]
+    if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != n_ids or n_mask != n_ids:
+        raise InputError(f"{path}: offsets do not cover input_ids/loss_mask ({n_ids} tokens, {n_mask} mask)")
+    if bool((offsets.diff() < 0).any()):
+        raise InputError(f"{path}: offsets are not non-decreasing")
+    ids_path = build / f"{split}.ids.jsonl"
+    if ids_path.is_file():
+        with open(ids_path, "rb") as f:
+            n_lines = sum(1 for line in f if line.strip())
+        if n_lines != len(offsets) - 1:
+            raise InputError(f"{ids_path}: {n_lines} ids for {len(offsets) - 1} samples in {path.name}")
+    plan = dict(plan_base, build_sha256=sha256_file(path), shard_tokens=shard_tokens, world_size=world, split=split)
+    key = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+    return _Split(
+        name=split,
+        build_path=path,
+        out_dir=campaign.root / "features" / split,
+        offsets=offsets,
+        shards=plan_shards(offsets.tolist(), shard_tokens, world),
+        plan=plan,
+        plan_key=key,
+    )
+
+
+def _check_extract_config(cfg: Config) -> None:
+    x = cfg.extract
+    if x.token_budget <= 0:
+        raise ConfigError(f"extract.token_budget: must be > 0, got {x.token_budget}")
+    if x.shard_tokens <= 0:
+        raise ConfigError(f"extract.shard_tokens: must be > 0, got {x.shard_tokens}")
+    if x.aux_layer_ids is not None and len(x.aux_layer_ids) != 3:
+        raise ConfigError(f"extract.aux_layer_ids: EAGLE-3 takes exactly 3 layers, got {x.aux_layer_ids}")
+
+
+def _extract_shard(
+    target: TargetModel, sp: _Split, s: Shard, layer_ids: list[int], dtype: str, token_budget: int
+) -> dict[str, Any]:
+    """Compute and write one shard; returns its sidecar (also written as <name>.done)."""
+    from safetensors import safe_open
+
+    H = target.hidden_size
+    offs = (sp.offsets[s.start : s.stop + 1] - sp.offsets[s.start]).tolist()  # shard-local token offsets
+    lengths = [offs[i + 1] - offs[i] for i in range(s.n_samples)]
+    with safe_open(str(sp.build_path), framework="pt") as f:
+        ids = f.get_slice("input_ids")[s.tok_start : s.tok_stop].to(torch.int32)
+        mask = f.get_slice("loss_mask")[s.tok_start : s.tok_stop].to(torch.uint8)
+    final_path = sp.out_dir / s.name
+    tmp = sp.out_dir / f".{s.name}.tmp"
+    t0 = time.perf_counter()
+    w = ShardWriter(tmp, s.n_tokens, s.n_samples, H, dtype)
+    w.write("input_ids", 0, ids)
+    w.write("loss_mask", 0, mask)
+    w.write("offsets", 0, torch.tensor(offs, dtype=torch.int64))
+    w.write("sample_index", 0, torch.arange(s.start, s.stop, dtype=torch.int64))
+
+    def write_batch(batch: list[int], feats: dict[str, torch.Tensor]) -> None:
+        for b, i in enumerate(batch):
+            n = lengths[i]
+            for key, t in feats.items():
+                w.write(key, offs[i], t[b, :n])
+
+    padded = 0
+    try:
+        # One writer thread: the pwrites of batch j overlap the forward of batch j+1.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as pool:
+            pending: collections.deque = collections.deque()
+            for batch in plan_batches(lengths, token_budget):
+                T = lengths[batch[0]]  # longest first: the batch max
+                x = torch.zeros(len(batch), T, dtype=torch.long)  # right padding with id 0
+                for b, i in enumerate(batch):
+                    x[b, : lengths[i]] = ids[offs[i] : offs[i + 1]]
+                padded += len(batch) * T
+                f = compute_features(target, x, layer_ids=layer_ids)
+                stored = to_storage(f["aux"], f["final"], dtype)
+                stored = {k: v.cpu() for k, v in stored.items()}  # device sync point
+                pending.append(pool.submit(write_batch, batch, stored))
+                while len(pending) > 1:
+                    pending.popleft().result()
+            for fut in pending:
+                fut.result()
+        w.close()
+    finally:
+        w.close(sync=False)  # no-op after a clean close; the temp file stays for the next run to overwrite
+    seconds = time.perf_counter() - t0
+    done = {
+        "name": s.name,
+        "g": s.g,
+        "rank": s.rank,
+        "n_samples": s.n_samples,
+        "n_tokens": s.n_tokens,
+        "padded_tokens": padded,
+        "bytes": w.nbytes,
+        "sha256": sha256_file(tmp),
+        "seconds": round(seconds, 3),
+        "plan_key": sp.plan_key,
+        "plan": sp.plan,
+    }
+    atomic_write_json(sp.done_path(s), done)  # before the rename: the final name appears complete
+    os.replace(tmp, final_path)
+    fd = os.open(sp.out_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return done
+
+
+def _write_index(sp: _Split, target_info: dict[str, Any], dtype: str, layer_ids: list[int], bpt: int) -> dict:
+    shards, tokens, padded, seconds, nbytes, samples = [], 0, 0, 0.0, 0, 0
+    for s in sp.shards:
+        _, _, size = shard_layout(s.n_tokens, s.n_samples, target_info["hidden_size"], dtype)
+        done = sp.finished(s, size)
+        if done is None:
+            raise SpecopsError(f"{sp.out_dir}: {s.name} is not finished; rerun extract to complete it")
+        shards.append({k: done[k] for k in ("name", "n_samples", "n_tokens", "sha256", "bytes")})
+        tokens += s.n_tokens
+        samples += s.n_samples
+        padded += done["padded_tokens"]
+        seconds += done["seconds"]
+        nbytes += done["bytes"]
+    index = {
+        "format": FORMAT,
+        "aux_layer_ids": layer_ids,
+        "aux_layer_convention": CONVENTION,
+        "final": "pre-norm",
+        "hidden_size": target_info["hidden_size"],
+        "num_hidden_layers": target_info["num_hidden_layers"],
+        "vocab_size": target_info["vocab_size"],
+        "dtype": dtype,
+        "split": sp.name,
+        "n_samples": samples,
+        "n_tokens": tokens,
+        "bytes_per_token": bpt,
+        "bytes": nbytes,
+        "plan_key": sp.plan_key,
+        "plan": sp.plan,
+        "stats": {
+            "padded_tokens": padded,
+            "padding_waste": round(1 - tokens / padded, 4) if padded else 0.0,
+            "shard_seconds": round(seconds, 3),  # summed over ranks
+            "tokens_per_s_per_rank": round(tokens / seconds, 1) if seconds else None,
+        },
+        "shards": shards,
+        "complete": True,
+    }
+    atomic_write_json(sp.out_dir / "index.json", index)
+    return index
+
+
+def _free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def run_extract(
+    cfg: Config,
+    campaign: Campaign,
+    *,
+    split: str = "both",
+    free_bytes: Callable[[Path], int] = _free_bytes,
+    target: TargetModel | None = None,
+) -> dict[str, Any]:
+    """Extract features for `split` ("train", "val" or "both"); rank/world from torchrun's env.
+
+    Every rank writes its own shards; rank 0 writes each index.json after a barrier and keeps the
+    manifest's extract phase. Returns rank 0's summary (counts, tokens/s, padding waste, bytes per token).
+    `target` reuses an already loaded model (it must be the configured one).
+    """
+    if split not in ("train", "val", "both"):
+        raise ValueError(f"split: expected train, val or both, got {split!r}")
+    x = cfg.extract
+    _check_extract_config(cfg)
+    if x.mode == "online":
+        log.info("extract.mode = online: features are computed during training; nothing to write")
+        if int(os.environ.get("RANK", "0")) == 0:
+            campaign.set_phase("extract", "done", mode="online")
+        return {"mode": "online", "splits": {}}
+
+    rank, world, local = _dist_env()
+    model_dir = Path(target.model_dir) if target is not None else resolve_model_dir(cfg.target.model)
+    text_cfg = target.config if target is not None else read_text_config(model_dir)
+    L, H = int(text_cfg.num_hidden_layers), int(text_cfg.hidden_size)
+    layer_ids = list(x.aux_layer_ids) if x.aux_layer_ids is not None else default_aux_layer_ids(L)
+    for i in layer_ids:
+        if not 0 <= i <= L:
+            raise ConfigError(f"extract.aux_layer_ids: {i} out of range 0..{L} (input-to-layer ids, L = {L})")
+    if x.device == "auto":
+        device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(x.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", local)
+    compute_dtype = target.dtype if target is not None else resolve_dtype(cfg.target.dtype, device)
+
+    own_group = False
+    if world > 1 and not torch.distributed.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        # Long timeout: rank 0 waits at the final barrier while other ranks finish their shards.
+        torch.distributed.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=12)
+        )
+        own_group = True
+
+    def barrier() -> None:
+        if world > 1:
+            if device.type == "cuda":
+                torch.distributed.barrier(device_ids=[device.index])
+            else:
+                torch.distributed.barrier()
+
+    plan_base = {
+        "format": FORMAT,
+        "model": _model_fingerprint(model_dir),
+        "aux_layer_ids": layer_ids,
+        "final": "pre-norm",
+        "dtype": x.dtype,
+        "compute_dtype": str(compute_dtype).removeprefix("torch."),
+    }
+    names = list(SPLITS) if split == "both" else [split]
+    if rank == 0:
+        campaign.set_phase("extract", "running", splits=names, world_size=world)
+    try:
+        splits = [
+            _open_split(campaign, n, shard_tokens=x.shard_tokens, world=world, plan_base=plan_base) for n in names
+        ]
+        # Disk forecast over every rank's unfinished shards (all ranks see the same directory).
+        need = 0
+        todo: dict[str, list[Shard]] = {}
+        unfinished: dict[str, int] = {}  # shards of any rank unfinished at start, per split
+        for sp in splits:
+            sp.out_dir.mkdir(parents=True, exist_ok=True)
+            for p in sp.out_dir.glob("*.done"):  # a leftover from another plan is refused up front
+                other = read_json(p) or {}
+                if other.get("plan_key") != sp.plan_key:
+                    raise SpecopsError(
+                        f"{sp.out_dir}: {p.name[:-5]} belongs to another extraction plan "
+                        f"({other.get('plan')}); this run's plan is {sp.plan}. Remove {sp.out_dir} to extract again."
+                    )
+            todo[sp.name] = []
+            unfinished[sp.name] = 0
+            for s in sp.shards:
+                nbytes = shard_layout(s.n_tokens, s.n_samples, H, x.dtype)[2]
+                if sp.finished(s, nbytes) is None:
+                    need += nbytes
+                    unfinished[sp.name] += 1
+                    if s.rank == rank:
+                        todo[sp.name].append(s)
+        free = free_bytes(campaign.root / "features")
+        if need > free:
+            raise SpecopsError(
+                f"not enough disk for features: need {need / 2**30:.2f} GiB "
+                f"({feature_bytes_per_token(H, x.dtype)} bytes/token x remaining tokens), "
+                f"{free / 2**30:.2f} GiB free at {campaign.root / 'features'}; free space, use "
+                "extract.dtype = 'float8_e4m3fn' (about half), or extract.mode = 'online'"
+            )
+
+        if target is None and any(todo.values()):
+            target = load_target(model_dir, compute_dtype, device)
+        target_info = {"hidden_size": H, "num_hidden_layers": L, "vocab_size": None}
+        if target is not None:
+            target_info["vocab_size"] = target.vocab_size
+        else:
+            target_info["vocab_size"] = int(getattr(text_cfg, "vocab_size", 0)) or None
+
+        summary: dict[str, Any] = {"mode": "offline", "rank": rank, "world_size": world, "splits": {}}
+        bpt = feature_bytes_per_token(H, x.dtype)
+        for sp in splits:
+            written, tokens, padded, t0 = 0, 0, 0, time.perf_counter()
+            with torch.inference_mode():
+                for s in todo[sp.name]:
+                    done = _extract_shard(target, sp, s, layer_ids, x.dtype, x.token_budget)
+                    written += 1
+                    tokens += s.n_tokens
+                    padded += done["padded_tokens"]
+                    log.info(
+                        "%s %s: %d samples, %d tokens, %.0f tokens/s, padding %.1f%%",
+                        sp.name, s.name, s.n_samples, s.n_tokens, s.n_tokens / max(done["seconds"], 1e-9),
+                        100 * (1 - s.n_tokens / max(done["padded_tokens"], 1)),
+                    )  # fmt: skip
+            elapsed = time.perf_counter() - t0
+            barrier()
+            entry = {
+                "shards": len(sp.shards),
+                "written": written,
+                "skipped": sum(1 for s in sp.shards if s.rank == rank) - written,
+                "tokens_written": tokens,
+                "tokens_per_s": round(tokens / elapsed, 1) if written else None,
+                "padding_waste": round(1 - tokens / padded, 4) if padded else 0.0,
+                "bytes_per_token": bpt,
+            }
+            if rank == 0:
+                old = read_json(sp.out_dir / "index.json")
+                if unfinished[sp.name] or not (old and old.get("complete") and old.get("plan_key") == sp.plan_key):
+                    old = _write_index(sp, target_info, x.dtype, layer_ids, bpt)
+                entry.update(
+                    n_samples=old["n_samples"], n_tokens=old["n_tokens"], bytes=old["bytes"],
+                    index=str(sp.out_dir / "index.json"), total_padding_waste=old["stats"]["padding_waste"],
+                )  # fmt: skip
+            summary["splits"][sp.name] = entry
+        barrier()
+        if rank == 0:
+            campaign.set_phase(
+                "extract", "done", aux_layer_ids=layer_ids, dtype=x.dtype, splits=summary["splits"], world_size=world
+            )
+        return summary
+    except BaseException as e:
+        if rank == 0:
+            campaign.set_phase("extract", "failed", error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        if own_group:
+            torch.distributed.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m specops.extract",
+        description="Extract target hidden states into CAMPAIGN/features/ (run under torchrun for several GPUs).",
+    )
+    ap.add_argument("campaign", help="campaign directory (holds campaign.toml and build/)")
+    ap.add_argument("--split", choices=("train", "val", "both"), default="both")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        camp = Campaign(args.campaign)
+        if not camp.config_path.is_file():
+            raise InputError(f"{camp.config_path}: not found (is {camp.root} a campaign directory?)")
+        cfg = load_config(camp.config_path)
+        lock = RunLock(camp, "extract").acquire() if rank == 0 else None
+        try:
+            summary = run_extract(cfg, camp, split=args.split)
+        finally:
+            if lock is not None:
+                lock.release()
+    except SpecopsError as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return e.exit_code
+    if rank == 0:
+        print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,496 @@
+"""Extract: stored features equal HF's hidden states at the recorded indices (final = pre-norm),
+online == offline, fp8, kill -9 + resume, DeepSeek-V3 (MLA + MoE) plain and under a Llava wrapper,
+two-process torchrun, and the disk forecast. Tiny random-weight models built from configs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specops.campaign import Campaign
+from specops.config import config_from_dict
+from specops.errors import SpecopsError
+from specops.extract import (
+    CONVENTION,
+    compute_features,
+    feature_bytes_per_token,
+    load_target,
+    plan_batches,
+    plan_shards,
+    read_shard,
+    run_extract,
+    to_storage,
+)
+
+VOCAB = 512
+L = 8  # default aux ids [2, 4, 5], all distinct
+AUX = [2, 4, 5]
+
+
+# ----------------------------------------------------------------------------- tiny models
+
+
+def _randomize_norms(model: torch.nn.Module) -> None:
+    # Norm weights != 1, so "norm(final) == HF's post-norm state" says something about the weight.
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+
+
+def make_llama(path: Path, hidden: int = 64, layers: int = L) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    _randomize_norms(model)
+    model.save_pretrained(path)
+    return path
+
+
+def deepseek_config():
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=L,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=2, q_lora_rank=32,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    return make_llama(tmp_path_factory.mktemp("llama") / "model")
+
+
+# ----------------------------------------------------------------------------- campaign + build
+
+
+def write_build(build: Path, lengths: dict[str, list[int]], seed: int = 0) -> None:
+    """build/<split>.safetensors + <split>.ids.jsonl in the fixed format (DESIGN, File formats)."""
+    build.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    for split, lens in lengths.items():
+        n = sum(lens)
+        offsets = torch.zeros(len(lens) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
+        save_file(
+            {
+                "input_ids": torch.randint(0, VOCAB, (n,), generator=g, dtype=torch.int32),
+                "loss_mask": (torch.rand(n, generator=g) > 0.3).to(torch.uint8),
+                "offsets": offsets,
+            },
+            str(build / f"{split}.safetensors"),
+        )
+        with open(build / f"{split}.ids.jsonl", "w") as f:
+            for i, k in enumerate(lens):
+                f.write(json.dumps({"id": f"d/{split}{i}", "dataset": "d", "n_tokens": k, "n_trainable": k}) + "\n")
+
+
+def random_lengths(n: int, seed: int, lo: int = 1, hi: int = 120) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+
+
+LENGTHS = {
+    # 300 > token_budget (runs alone), 400 > shard_tokens (a shard of its own)
+    "train": random_lengths(30, 1) + [300] + random_lengths(10, 2) + [400] + random_lengths(5, 3),
+    "val": random_lengths(7, 4),
+}
+
+
+def make_campaign(root: Path, model_dir: Path, lengths=LENGTHS, **extract) -> tuple:
+    root.mkdir(parents=True, exist_ok=True)
+    prompts = root.parent / f"{root.name}-prompts.jsonl"
+    prompts.write_text('{"id": "q0", "prompt": "hi"}\n')
+    extract = {"shard_tokens": 600, "token_budget": 256, **extract}
+    cfg = config_from_dict({
+        "campaign": {"name": root.name, "dir": str(root)},
+        "target": {"model": str(model_dir)},
+        "datasets": [{"name": "d", "path": str(prompts)}],
+        "extract": extract,
+    })  # fmt: skip
+    camp = Campaign.create_or_open(cfg)
+    write_build(camp.root / "build", lengths)
+    return cfg, camp
+
+
+def build_split(camp: Campaign, split: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(camp.root / "build" / f"{split}.safetensors"))
+
+
+def stored_by_sample(split_dir: Path, dequantize: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+    index = json.loads((split_dir / "index.json").read_text())
+    out = {}
+    for sh in index["shards"]:
+        t = read_shard(split_dir / sh["name"], dequantize=dequantize)
+        offs = t["offsets"].tolist()
+        for j, si in enumerate(t["sample_index"].tolist()):
+            a, b = offs[j], offs[j + 1]
+            out[si] = {k: t[k][a:b] for k in t if k not in ("offsets", "sample_index")}
+    return out
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def hf_reference(model, ids: torch.Tensor, decoder) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(HF hidden_states [L+1, T, H], HF hidden_states[-1], pre-norm final from a norm-less forward).
+
+    The pre-norm reference uses no hooks: the decoder's norm is swapped for Identity, so its
+    last_hidden_state is the last layer's output.
+    """
+    with torch.no_grad():
+        hs = model(ids[None].long(), output_hidden_states=True).hidden_states
+        norm = decoder.norm
+        decoder.norm = torch.nn.Identity()
+        try:
+            pre = decoder(input_ids=ids[None].long()).last_hidden_state[0]
+        finally:
+            decoder.norm = norm
+    return torch.stack([h[0] for h in hs]), hs[-1][0], pre
+
+
+def check_against_hf(stored, build, model, decoder, aux_ids, every: int = 1) -> None:
+    offs = build["offsets"].tolist()
+    assert sorted(stored) == list(range(len(offs) - 1))
+    lengths = [offs[i + 1] - offs[i] for i in range(len(offs) - 1)]
+    longest = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:2]  # the budget/shard edge cases
+    for i, rec in stored.items():
+        assert torch.equal(rec["input_ids"], build["input_ids"][offs[i] : offs[i + 1]])
+        assert torch.equal(rec["loss_mask"], build["loss_mask"][offs[i] : offs[i + 1]])
+        if i % every and i not in longest:
+            continue
+        ids = build["input_ids"][offs[i] : offs[i + 1]]
+        hs, post, pre = hf_reference(model, ids, decoder)
+        assert rec["aux"].dtype == torch.bfloat16 and rec["aux"].shape == (len(ids), 3, hs.shape[-1])
+        for j, layer in enumerate(aux_ids):
+            torch.testing.assert_close(rec["aux"][:, j], hs[layer].to(torch.bfloat16))
+        torch.testing.assert_close(rec["final"], pre.to(torch.bfloat16))
+        # HF's hidden_states[-1] is post-norm: the norm of our final, and not our final.
+        with torch.no_grad():
+            torch.testing.assert_close(decoder.norm(rec["final"].float()), post, rtol=2e-2, atol=2e-2)
+        assert not torch.allclose(rec["final"].float(), post, rtol=0.1, atol=0.1)
+
+
+# ----------------------------------------------------------------------------- plan units
+
+
+def test_shard_plan_is_pure_and_covers_everything():
+    lens = [5, 7, 30, 2, 2, 50, 1, 9]
+    offs = [0]
+    for n in lens:
+        offs.append(offs[-1] + n)
+    a = plan_shards(offs, 20, 2)
+    assert a == plan_shards(list(offs), 20, 2)
+    assert [(s.start, s.stop) for s in a] == [(0, 2), (2, 3), (3, 5), (5, 6), (6, 8)]
+    assert [s.name for s in a] == [
+        "shard-00-00000.safetensors", "shard-01-00000.safetensors", "shard-00-00001.safetensors",
+        "shard-01-00001.safetensors", "shard-00-00002.safetensors",
+    ]  # fmt: skip
+    # The same cut for any world size; only the owners and names change.
+    assert [(s.start, s.stop) for s in plan_shards(offs, 20, 1)] == [(s.start, s.stop) for s in a]
+    assert all(s.n_tokens <= 20 or s.n_samples == 1 for s in a)
+
+    batches = plan_batches([5, 0, 40, 7, 7, 3], token_budget=16)
+    assert batches == [[2], [3, 4], [0, 5]]  # longest first; 0-length left out; 40 > budget runs alone
+    assert all(len(b) * max([5, 0, 40, 7, 7, 3][i] for i in b) <= 16 or len(b) == 1 for b in batches)
+
+
+# ----------------------------------------------------------------------------- llama
+
+
+def test_llama_features_equal_hf_hidden_states_and_online(tmp_path, llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    cfg, camp = make_campaign(tmp_path / "camp", llama_dir)
+    summary = run_extract(cfg, camp, split="both")
+    assert summary["splits"]["train"]["written"] == summary["splits"]["train"]["shards"] >= 4
+    assert 0 < summary["splits"]["train"]["padding_waste"] < 0.5
+    for split in ("train", "val"):
+        d = camp.root / "features" / split
+        index = json.loads((d / "index.json").read_text())
+        assert index["aux_layer_ids"] == AUX and index["aux_layer_convention"] == CONVENTION
+        assert index["final"] == "pre-norm" and index["complete"] is True and index["split"] == split
+        assert (index["hidden_size"], index["num_hidden_layers"], index["dtype"]) == (64, L, "bfloat16")
+        assert index["bytes_per_token"] == 5 + 4 * 64 * 2
+        assert index["n_samples"] == len(LENGTHS[split]) and index["n_tokens"] == sum(LENGTHS[split])
+        for sh in index["shards"]:
+            assert sha256(d / sh["name"]) == sh["sha256"]
+            assert json.loads((d / (sh["name"] + ".done")).read_text())["sha256"] == sh["sha256"]
+    assert (camp.read_manifest())["phases"]["extract"]["state"] == "done"
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    stored = stored_by_sample(camp.root / "features" / "train")
+    build = build_split(camp, "train")
+    check_against_hf(stored, build, model, model.model, AUX, every=3)
+
+    # Online: the same computation. Per sample (other batch shapes) within bf16 rounding ...
+    target = load_target(llama_dir, "float32", "cpu")
+    assert (target.num_hidden_layers, target.hidden_size, target.vocab_size) == (L, 64, VOCAB)
+    offs = build["offsets"].tolist()
+    for i in range(0, len(offs) - 1, 5):
+        f = compute_features(target, build["input_ids"][offs[i] : offs[i + 1]][None])
+        s = to_storage(f["aux"][0], f["final"][0], "bfloat16")
+        torch.testing.assert_close(s["aux"], stored[i]["aux"])
+        torch.testing.assert_close(s["final"], stored[i]["final"])
+    # Left padding with an attention mask: positions count real tokens only.
+    rows = [build["input_ids"][offs[i] : offs[i + 1]] for i in (0, 1, 2)]
+    T = max(len(r) for r in rows)
+    x = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, r in enumerate(rows):
+        x[b, T - len(r) :] = r
+        mask[b, T - len(r) :] = 1
+    f = compute_features(target, x, attention_mask=mask)
+    for b, r in enumerate(rows):
+        alone = compute_features(target, r[None])
+        torch.testing.assert_close(f["aux"][b, T - len(r) :], alone["aux"][0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(f["final"][b, T - len(r) :], alone["final"][0], rtol=1e-4, atol=1e-5)
+    # ... and bit for bit when batched as the shard was.
+    index = json.loads((camp.root / "features" / "train" / "index.json").read_text())
+    shard = read_shard(camp.root / "features" / "train" / index["shards"][0]["name"])
+    so = shard["offsets"].tolist()
+    lens = [so[j + 1] - so[j] for j in range(len(so) - 1)]
+    batch = plan_batches(lens, cfg.extract.token_budget)[0]
+    x = torch.zeros(len(batch), lens[batch[0]], dtype=torch.long)
+    for b, j in enumerate(batch):
+        x[b, : lens[j]] = shard["input_ids"][so[j] : so[j + 1]]
+    f = compute_features(target, x)
+    s = to_storage(f["aux"], f["final"], "bfloat16")
+    for b, j in enumerate(batch):
+        assert torch.equal(s["aux"][b, : lens[j]], shard["aux"][so[j] : so[j + 1]])
+        assert torch.equal(s["final"][b, : lens[j]], shard["final"][so[j] : so[j + 1]])
+
+    # A rerun finds everything finished: nothing rewritten.
+    d = camp.root / "features" / "train"
+    mtimes = {p.name: p.stat().st_mtime_ns for p in d.iterdir()}
+    again = run_extract(cfg, camp, split="both")
+    assert again["splits"]["train"]["written"] == 0 and again["splits"]["val"]["written"] == 0
+    assert {p.name: p.stat().st_mtime_ns for p in d.iterdir()} == mtimes
+
+
+def test_fp8_within_e4m3_tolerance(tmp_path, llama_dir):
+    cfg, camp = make_campaign(tmp_path / "camp", llama_dir, dtype="float8_e4m3fn")
+    summary = run_extract(cfg, camp, split="train")
+    d = camp.root / "features" / "train"
+    index = json.loads((d / "index.json").read_text())
+    bpt = 5 + 4 * 64 + 4 * 4  # ids + mask + fp8 features + float32 scales
+    assert index["dtype"] == "float8_e4m3fn" and index["bytes_per_token"] == bpt == summary["splits"]["train"][
+        "bytes_per_token"] < feature_bytes_per_token(64, "bfloat16")  # fmt: skip
+    total = sum(sh["bytes"] for sh in index["shards"])
+    assert bpt * index["n_tokens"] < total < bpt * index["n_tokens"] + 1024 * len(index["shards"])
+
+    raw = read_shard(d / index["shards"][0]["name"])
+    n = raw["input_ids"].shape[0]
+    assert raw["aux"].dtype == torch.float8_e4m3fn and raw["final"].dtype == torch.float8_e4m3fn
+    assert raw["aux_scale"].shape == (n, 3) and raw["final_scale"].shape == (n,)
+    # scale = per-token absmax / 448: every token's largest |q| is exactly the e4m3 max.
+    assert (raw["aux"].float().abs().amax(-1) == 448).all() and (raw["final"].float().abs().amax(-1) == 448).all()
+
+    stored = stored_by_sample(d, dequantize=True)
+    build = build_split(camp, "train")
+    target = load_target(llama_dir, "float32", "cpu")
+    offs = build["offsets"].tolist()
+    worst = 0.0
+    for i, rec in stored.items():
+        if i % 3:
+            continue
+        f = compute_features(target, build["input_ids"][offs[i] : offs[i + 1]][None])
+        for key in ("aux", "final"):
+            ref, got = f[key][0], rec[key]
+            # e4m3: 3 mantissa bits -> half-ulp 1/16 relative; subnormal step 2^-9 of scale (absmax/448).
+            scale = ref.abs().amax(-1, keepdim=True) / 448
+            bound = ref.abs() / 16 + scale * 2**-9 + 1e-6
+            assert ((got - ref).abs() <= bound).all(), (i, key)
+            worst = max(worst, ((got - ref).abs() / (ref.abs() + 1e-3)).max().item())
+    assert 0 < worst  # it did quantize
+
+
+# ----------------------------------------------------------------------------- kill + resume
+
+
+def start_extract(camp: Path, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "specops.extract", str(camp), "--split", "train"],
+        stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+
+
+def test_kill9_mid_extraction_then_resume_is_byte_identical(tmp_path):
+    # A wider model so each shard takes a visible time and the kill lands with shards to go.
+    model_dir = make_llama(tmp_path / "model", hidden=128)
+    lengths = {"train": random_lengths(60, 7, lo=20, hi=150), "val": [5]}
+    _, camp_a = make_campaign(tmp_path / "a", model_dir, lengths, shard_tokens=800, token_budget=512)
+    _, camp_b = make_campaign(tmp_path / "b", model_dir, lengths, shard_tokens=800, token_budget=512)
+    feats_a = camp_a.root / "features" / "train"
+
+    p = start_extract(camp_a.root, tmp_path / "a.log")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and p.poll() is None:
+        if feats_a.is_dir() and any(feats_a.glob("shard-*.safetensors")):
+            break
+        time.sleep(0.005)
+    p.send_signal(signal.SIGKILL)
+    assert p.wait() == -signal.SIGKILL, (tmp_path / "a.log").read_text()
+    finished = {q.name: q.stat().st_mtime_ns for q in feats_a.glob("shard-*.safetensors")}
+    n_total = len(plan_shards(torch.tensor([0] + lengths["train"]).cumsum(0).tolist(), 800, 1))
+    assert 1 <= len(finished) < n_total, "the kill must land mid-run"
+    assert not (feats_a / "index.json").exists()
+    assert camp_a.read_manifest()["phases"]["extract"]["state"] == "running"  # killed: no chance to say more
+
+    assert start_extract(camp_a.root, tmp_path / "a.log").wait() == 0, (tmp_path / "a.log").read_text()
+    assert start_extract(camp_b.root, tmp_path / "b.log").wait() == 0, (tmp_path / "b.log").read_text()
+
+    feats_b = camp_b.root / "features" / "train"
+    names = sorted(q.name for q in feats_b.glob("shard-*.safetensors"))
+    assert len(names) == n_total
+    assert sorted(q.name for q in feats_a.glob("shard-*.safetensors")) == names
+    assert {n: sha256(feats_a / n) for n in names} == {n: sha256(feats_b / n) for n in names}
+    assert {n: (feats_a / n).stat().st_mtime_ns for n in finished} == finished  # never rewritten
+    assert not list(feats_a.glob(".*.tmp"))
+    ia, ib = (json.loads((f / "index.json").read_text()) for f in (feats_a, feats_b))
+    assert ia["shards"] == ib["shards"] and ia["complete"]
+    assert camp_a.read_manifest()["phases"]["extract"]["state"] == "done"
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3 + wrapper
+
+
+def test_deepseek_v3_and_llava_wrapped_deepseek(tmp_path):
+    from transformers import CLIPVisionConfig, DeepseekV3ForCausalLM, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    ds = DeepseekV3ForCausalLM(deepseek_config()).eval()
+    _randomize_norms(ds)
+    ds.save_pretrained(tmp_path / "ds")
+    # The same language model under a multimodal wrapper: LlavaConfig(text_config=...) builds the
+    # text model with AutoModel.from_config, at model.language_model; lm_head at the top.
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    lv_cfg = LlavaConfig(
+        text_config=deepseek_config().to_dict(), vision_config=vision.to_dict(), image_token_index=VOCAB - 1,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    lv = LlavaForConditionalGeneration(lv_cfg).eval()
+    lv.model.language_model.load_state_dict(ds.model.state_dict())
+    lv.lm_head.load_state_dict(ds.lm_head.state_dict())
+    lv.save_pretrained(tmp_path / "llava")
+
+    lengths = {"train": random_lengths(12, 5, hi=60), "val": [3]}
+    runs = {}
+    for name in ("ds", "llava"):
+        cfg, camp = make_campaign(tmp_path / f"camp-{name}", tmp_path / name, lengths, shard_tokens=200)
+        run_extract(cfg, camp, split="train")
+        index = json.loads((camp.root / "features" / "train" / "index.json").read_text())
+        assert (index["num_hidden_layers"], index["hidden_size"], index["aux_layer_ids"]) == (L, 64, AUX)
+        assert index["vocab_size"] == VOCAB
+        runs[name] = (camp, stored_by_sample(camp.root / "features" / "train"))
+
+    camp, stored = runs["ds"]
+    check_against_hf(stored, build_split(camp, "train"), ds, ds.model, AUX)
+    # Wrapped: same weights, same computation -> the same bytes.
+    for i, rec in runs["llava"][1].items():
+        for k in ("input_ids", "loss_mask", "aux", "final"):
+            assert torch.equal(rec[k], stored[i][k]), (i, k)
+
+    t = load_target(tmp_path / "llava", "float32", "cpu")
+    assert type(t.model).__name__ == "LlavaForConditionalGeneration"
+    assert type(t.decoder).__name__ == "DeepseekV3Model" and t.decoder is t.model.model.language_model
+    assert (t.num_hidden_layers, t.hidden_size, t.vocab_size) == (L, 64, VOCAB)
+    assert torch.equal(t.lm_head.weight, ds.lm_head.weight) and t.norm is t.decoder.norm
+    assert torch.equal(t.embed_tokens.weight, ds.model.embed_tokens.weight)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    f = compute_features(t, ids)
+    with torch.no_grad():  # lm_head(norm(final)) is the target's own logits
+        torch.testing.assert_close(t.lm_head(t.norm(f["final"])), ds(ids).logits)
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_processes_match_one(tmp_path, llama_dir):
+    cfg1, camp1 = make_campaign(tmp_path / "one", llama_dir)
+    _, camp2 = make_campaign(tmp_path / "two", llama_dir)
+    run_extract(cfg1, camp1, split="both")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "specops.extract", str(camp2.root)]  # fmt: skip
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for split in ("train", "val"):
+        d1, d2 = camp1.root / "features" / split, camp2.root / "features" / split
+        i1, i2 = (json.loads((d / "index.json").read_text()) for d in (d1, d2))
+        names2 = [sh["name"] for sh in i2["shards"]]
+        assert len(names2) == len(i1["shards"])
+        if split == "train":
+            assert {n[:8] for n in names2} == {"shard-00", "shard-01"}  # both ranks wrote
+        assert i2["plan"]["world_size"] == 2 and i1["plan"]["world_size"] == 1
+        s1, s2 = stored_by_sample(d1), stored_by_sample(d2)
+        assert sorted(s1) == sorted(s2) == list(range(len(LENGTHS[split])))
+        for i in s1:
+            assert torch.equal(s1[i]["input_ids"], s2[i]["input_ids"])
+            assert torch.equal(s1[i]["loss_mask"], s2[i]["loss_mask"])
+            torch.testing.assert_close(s1[i]["aux"], s2[i]["aux"])  # thread counts differ: bf16 rounding
+            torch.testing.assert_close(s1[i]["final"], s2[i]["final"])
+    assert camp2.read_manifest()["phases"]["extract"]["state"] == "done"
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_disk_forecast_refuses_and_counts_only_what_is_left(tmp_path, llama_dir):
+    cfg, camp = make_campaign(tmp_path / "camp", llama_dir)
+    need = (sum(LENGTHS["train"]) + sum(LENGTHS["val"])) * feature_bytes_per_token(64, "bfloat16")
+    seen = []
+
+    def tight(path: Path) -> int:
+        seen.append(path)
+        return need - 1  # less than the features alone
+
+    with pytest.raises(SpecopsError, match="not enough disk"):
+        run_extract(cfg, camp, split="both", free_bytes=tight)
+    assert seen == [camp.root / "features"]
+    assert not list((camp.root / "features").rglob("shard-*"))
+    assert camp.read_manifest()["phases"]["extract"]["state"] == "failed"
+
+    run_extract(cfg, camp, split="both")
+    again = run_extract(cfg, camp, split="both", free_bytes=lambda p: 0)  # nothing left to write
+    assert again["splits"]["train"]["written"] == 0
+
+
+def test_other_plan_is_refused(tmp_path, llama_dir):
+    cfg, camp = make_campaign(tmp_path / "camp", llama_dir)
+    run_extract(cfg, camp, split="val")
+    cfg.extract.aux_layer_ids = [1, 3, 6]
+    with pytest.raises(SpecopsError, match="another extraction plan"):
+        run_extract(cfg, camp, split="val")
