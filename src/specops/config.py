@@ -84,6 +84,8 @@ class GenerateSection:
     # extra request-body fields for every request (e.g. {"chat_template_kwargs": {...}})
     extra_body: dict[str, Any] = field(default_factory=dict)
     canary_samples: int = 3  # per dataset, validated before the full run; 0 = no canary
+    # max_tokens is deliberately short (smoke runs): the canary does not stop when every sample is cut
+    expect_truncation: bool = False
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,978 @@
+"""Export a trained EAGLE-3 drafter for vLLM / SGLang and for the speculators format; check any drafter dir.
+
+Each serving engine reads a drafter directory (config.json + model.safetensors) with its own
+conventions, and two of them fail silently: SGLang skips weight names it does not know, and a
+layer id read under the wrong convention still "works" with one layer's worth of acceptance lost.
+So an export is validated before it is written, written to a temp dir and renamed, and then read
+back by `check_export`, the same checker that `specops export --check DIR` runs on third-party dirs.
+
+What the loaders read (sources read 2026-12-02; commits named in tests/test_export.py):
+
+* vLLM `vllm/model_executor/models/llama_eagle3.py`, `Eagle3LlamaForCausalLM.load_weights`:
+  skips `t2d`; renames `d2t` -> `draft_id_to_target_id` (absent: that buffer stays zeros, i.e. an
+  identity map, which is wrong for a reduced draft vocab); prefixes `model.` to every name but
+  `lm_head.*`; `LlamaModel.load_weights` renames `midlayer.` -> `layers.0.` and stacks q/k/v into
+  `qkv_proj`, gate/up into `gate_up_proj`. Unknown names fail in `AutoWeightsLoader`.
+  `embed_tokens.weight` is optional: when absent, `SpecDecodeBaseProposer._maybe_share_embeddings`
+  (vllm/v1/spec_decode/llm_base_proposer.py) gives the drafter the target's embedding.
+  Config: `draft_vocab_size` (absent: = vocab_size), `target_hidden_size` (fc in = 3x it),
+  `norm_before_residual` (getattr default False), `eagle_config.use_aux_hidden_state` (default True).
+  Architecture "LlamaForCausalLMEagle3" is registered to `Eagle3LlamaForCausalLM`.
+* SGLang `python/sglang/srt/models/llama_eagle3.py`, `LlamaForCausalLMEagle3.load_weights`:
+  `d2t` -> `hot_token_id = d2t + arange`; skips `t2d`; stacks q/k/v and gate/up; looks a name up
+  as-is or with `model.` prefixed, and silently skips anything else. Its module is named
+  `midlayer` (so `layers.0.*` weights are dropped without a word). `tie_word_embeddings: true`
+  makes lm_head the embedding; `draft_vocab_size` None loads lm_head from the target. The eagle
+  worker always replaces the drafter's embedding with the target's (`set_embed`), except when
+  `target_hidden_size != hidden_size`.
+* speculators `src/speculators/models/eagle3/core.py`, `Eagle3DraftModel`: weights `layers.0.*`,
+  `fc`, `norm`, `lm_head`, buffers `d2t`, `t2d`, `embed_tokens` (missing allowed, filled from the
+  verifier). vLLM reads this format through `vllm/transformers_utils/configs/speculators/`:
+  `transformer_layer_config` is merged into the top level and `norm_before_residual` defaults to
+  **True** there, against False in llama_eagle3.py and in speculators itself: so we always write it.
+
+Layer ids. Ours are "input to layer" ids = HF `output_hidden_states` indices, default
+`[2, L//2, L-3]`.
+* vLLM (`vllm/v1/worker/gpu_model_runner.py` `_get_eagle3_aux_layers_from_config`, and
+  `vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py` `get_eagle3_aux_layers_from_config`)
+  passes top-level `eagle_aux_hidden_state_layer_ids` unchanged to `set_aux_hidden_state_layers`;
+  `LlamaModel.forward` (vllm/model_executor/models/llama.py) appends `hidden_states + residual`
+  *before* running layer idx when idx is in the set: id t = input to layer t. No offset.
+* SGLang (`ModelRunner` reads the draft's `eagle_config["eagle_aux_hidden_state_layer_ids"]`;
+  `python/sglang/srt/models/llama.py` `LlamaForCausalLM.set_eagle3_layers_to_capture` sets
+  `layers_to_capture = [val + 1 for val in layer_ids]`, and `LlamaModel.forward` captures before
+  layer i): id e = output of layer e = input to layer e+1. So eagle_config holds t - 1.
+  Without eagle_config SGLang captures its default `[2, L//2, L-3]` (input-to-layer).
+* speculators: `eagle_aux_hidden_state_layer_ids` in the vLLM convention (its data generation hands
+  the same list to vLLM, scripts/launch_vllm.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import safetensors
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specops.checks.result import CheckResult, worst
+from specops.errors import SpecopsError
+
+__all__ = [
+    "ExportError",
+    "CheckReport",
+    "export_vllm",
+    "export_speculators",
+    "check_export",
+    "load_exported",
+    "sglang_layer_ids",
+    "MIDLAYER_PARAMS",
+    "REQUIRED_KEYS",
+    "SPECULATORS_NAME_MAP",
+]
+
+
+class ExportError(SpecopsError):
+    """A drafter checkpoint or export is incomplete or inconsistent; the message names what."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Names (DESIGN "File formats": drafter parameter names = the vLLM export names)
+
+MIDLAYER_PARAMS = (
+    "input_layernorm.weight",  # [H]       normalises embed(token)
+    "hidden_norm.weight",  # [H]       normalises the fused hidden state
+    "self_attn.q_proj.weight",  # [nh*hd, 2H]
+    "self_attn.k_proj.weight",  # [nkv*hd, 2H]
+    "self_attn.v_proj.weight",  # [nkv*hd, 2H]
+    "self_attn.o_proj.weight",  # [H, nh*hd]
+    "post_attention_layernorm.weight",  # [H]
+    "mlp.gate_proj.weight",  # [I, H]
+    "mlp.up_proj.weight",  # [I, H]
+    "mlp.down_proj.weight",  # [H, I]
+)
+WEIGHT_KEYS = ("fc.weight", *(f"midlayer.{p}" for p in MIDLAYER_PARAMS), "norm.weight", "lm_head.weight")
+REQUIRED_KEYS = (*WEIGHT_KEYS, "d2t", "t2d")
+EMBED_KEY = "embed_tokens.weight"  # [target_vocab, H], the frozen copy of the target's
+
+# Buffers some trainers keep in a state dict that no loader reads; dropped, never written.
+_DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# Ours (= vLLM/SGLang export names) -> speculators `Eagle3DraftModel` state dict names.
+SPECULATORS_NAME_MAP: dict[str, str] = {
+    "fc.weight": "fc.weight",
+    **{f"midlayer.{p}": f"layers.0.{p}" for p in MIDLAYER_PARAMS},
+    "norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "d2t": "d2t",
+    "t2d": "t2d",
+    EMBED_KEY: EMBED_KEY,
+}
+_FROM_SPECULATORS = {v: k for k, v in SPECULATORS_NAME_MAP.items()}
+
+VLLM_ARCH = "LlamaForCausalLMEagle3"  # the one name both vLLM's registry and SGLang's EntryClass know
+SPECULATORS_ARCH = "Eagle3Speculator"
+EXPORT_FORMAT = "specops-eagle3-export-v1"
+AUX_CONVENTION = "input-to-layer (= HF hidden_states index)"
+
+
+def sglang_layer_ids(aux_layer_ids: list[int]) -> list[int]:
+    """Input-to-layer ids -> the ids SGLang expects in `eagle_config`.
+
+    SGLang `python/sglang/srt/models/llama.py` `LlamaForCausalLM.set_eagle3_layers_to_capture` adds 1
+    (`layers_to_capture = [val + 1 for val in layer_ids]`) and captures the input of that layer, so
+    it must be given "output of layer" ids: input to layer t = output of layer t-1.
+    """
+    return [t - 1 for t in aux_layer_ids]
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """The default of vLLM (`SupportsEagle3`), SGLang and speculators, input-to-layer."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes
+
+
+@dataclass(frozen=True, slots=True)
+class _Dims:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    target_hidden: int
+    n_aux: int
+    draft_vocab: int
+    target_vocab: int
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        mid = {
+            "input_layernorm.weight": (h,),
+            "hidden_norm.weight": (h,),
+            "self_attn.q_proj.weight": (q, 2 * h),  # attention input is [embed normed, hidden normed]
+            "self_attn.k_proj.weight": (kv, 2 * h),
+            "self_attn.v_proj.weight": (kv, 2 * h),
+            "self_attn.o_proj.weight": (h, q),
+            "post_attention_layernorm.weight": (h,),
+            "mlp.gate_proj.weight": (self.intermediate, h),
+            "mlp.up_proj.weight": (self.intermediate, h),
+            "mlp.down_proj.weight": (h, self.intermediate),
+        }
+        return {
+            "fc.weight": (h, self.n_aux * self.target_hidden),
+            **{f"midlayer.{k}": v for k, v in mid.items()},
+            "norm.weight": (h,),
+            "lm_head.weight": (self.draft_vocab, h),
+            "d2t": (self.draft_vocab,),
+            "t2d": (self.target_vocab,),
+            EMBED_KEY: (self.target_vocab, h),
+        }
+
+
+def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language-model part of a (possibly multimodal) HF config."""
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), Mapping):
+        return cfg["text_config"]
+    return cfg
+
+
+def _target_int(target_config: Mapping[str, Any], key: str) -> int:
+    """An integer field of the target's text config (multimodal configs may keep vocab_size on top)."""
+    tgt = _text_config(target_config)
+    value = tgt.get(key, target_config.get(key))
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ExportError(f"target_config has no integer {key}")
+    return value
+
+
+def _nogo(name: str, message: str, **data: Any) -> CheckResult:
+    return CheckResult(name, "nogo", message, data)
+
+
+def _warn(name: str, message: str, **data: Any) -> CheckResult:
+    return CheckResult(name, "warn", message, data)
+
+
+def _check_tensors(
+    meta: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
+    dims: _Dims | None,
+    *,
+    shown: Mapping[str, str] | None = None,
+    need_embed: bool = False,
+    need_vocab: bool = True,
+) -> list[CheckResult]:
+    """Missing / unknown keys, shapes and dtypes. `meta` is keyed by our names; `shown` maps our
+    name to the name in the file, for messages."""
+    shown = shown or {}
+    out: list[CheckResult] = []
+    required = list(WEIGHT_KEYS) + (["d2t", "t2d"] if need_vocab else [])
+    if need_embed:
+        required.append(EMBED_KEY)
+    missing = [k for k in required if k not in meta]
+    if missing:
+        out.append(_nogo("keys.missing", f"missing tensors: {', '.join(shown.get(k, k) for k in missing)}",
+                         missing=[shown.get(k, k) for k in missing]))
+    known = set(REQUIRED_KEYS) | {EMBED_KEY}
+    unknown = sorted(k for k in meta if k not in known)
+    if unknown:
+        out.append(_nogo("keys.unknown", f"tensors no EAGLE-3 loader reads (vLLM fails on them, SGLang "
+                         f"drops them silently): {', '.join(shown.get(k, k) for k in unknown)}",
+                         unknown=[shown.get(k, k) for k in unknown]))
+    expected = dims.shapes() if dims is not None else {}
+    for name, (shape, dtype) in meta.items():
+        label = shown.get(name, name)
+        if name in expected and tuple(shape) != expected[name]:
+            out.append(_nogo(f"shape.{label}", f"{label} has shape {list(shape)}, config says {list(expected[name])}",
+                             shape=list(shape), expected=list(expected[name])))
+        if name == "d2t" and dtype != torch.int64:
+            out.append(_nogo("dtype.d2t", f"{label} is {_dtype_name(dtype)}, must be int64 (target_id = i + d2t[i])"))
+        elif name == "t2d" and dtype != torch.bool:
+            out.append(_nogo("dtype.t2d", f"{label} is {_dtype_name(dtype)}, must be bool (a mask over the "
+                             "target vocab)"))
+        elif name in known and name not in ("d2t", "t2d") and (dtype is None or not dtype.is_floating_point):
+            out.append(_nogo(f"dtype.{label}", f"{label} is {_dtype_name(dtype)}, must be a floating-point dtype"))
+    return out
+
+
+def _check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab: int, target_vocab: int) -> list[CheckResult]:
+    """d2t/t2d agree: i + d2t[i] is a distinct in-range target id for every draft id i, and t2d is
+    True exactly there. vLLM scatters draft logits to `arange + d2t` (Eagle3LlamaForCausalLM.
+    compute_logits); SGLang uses `d2t + arange` as hot_token_id."""
+    if tuple(d2t.shape) != (draft_vocab,) or tuple(t2d.shape) != (target_vocab,):
+        return []  # reported by the shape check
+    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
+        return []  # reported by the dtype check
+    target_ids = torch.arange(draft_vocab, dtype=torch.int64) + d2t  # [draft_vocab]
+    bad = ((target_ids < 0) | (target_ids >= target_vocab)).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        return [_nogo("vocab.d2t_range", f"d2t maps {bad.numel()} draft ids outside the target vocab "
+                      f"[0, {target_vocab}) (first: draft id {i} -> {int(target_ids[i])})")]
+    out = []
+    if target_ids.unique().numel() != draft_vocab:
+        out.append(_nogo("vocab.d2t_duplicates", f"d2t maps {draft_vocab - target_ids.unique().numel()} draft ids "
+                         "onto target ids already taken"))
+    if int(t2d.sum()) != draft_vocab:
+        out.append(_nogo("vocab.t2d_count", f"t2d has {int(t2d.sum())} True entries, draft vocab is {draft_vocab}"))
+    off = (~t2d[target_ids]).nonzero().flatten()
+    if off.numel():
+        i = int(off[0])
+        out.append(_nogo("vocab.t2d_mismatch", f"t2d is False at {off.numel()} target ids that d2t maps to "
+                         f"(first: draft id {i} -> target id {int(target_ids[i])})"))
+    return out
+
+
+def _check_aux_ids(ids: Any, num_layers: int | None, *, field_name: str) -> list[CheckResult]:
+    """Input-to-layer ids usable by vLLM's Llama capture loop: 3 distinct ints in [1, L-1].
+    Id 0 would add a None residual (vLLM captures `hidden_states + residual` before layer 0), and
+    id L is never reached inside the loop over layers 0..L-1."""
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return [_nogo("layer_ids.type", f"{field_name} must be a list of ints, got {ids!r}")]
+    out = []
+    if len(ids) != 3:
+        out.append(_nogo("layer_ids.count", f"{field_name} has {len(ids)} ids; EAGLE-3's fc in vLLM and SGLang "
+                         "takes exactly 3 aux states"))
+    if len(set(ids)) != len(ids):
+        out.append(_nogo("layer_ids.duplicate", f"{field_name} repeats an id: {ids}"))
+    if num_layers is not None:
+        bad = [i for i in ids if not 1 <= i <= num_layers - 1]
+        if bad:
+            out.append(_nogo("layer_ids.range", f"{field_name} {ids}: {bad} outside [1, {num_layers - 1}] for a "
+                             f"{num_layers}-layer target (input-to-layer ids)", num_layers=num_layers))
+    return out
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "unknown" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _raise_if_nogo(problems: list[CheckResult], what: str) -> None:
+    bad = [p for p in problems if p.status == "nogo"]
+    if bad:
+        raise ExportError(f"{what}: " + "; ".join(f"[{p.name}] {p.message}" for p in bad))
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+
+def _draft_fields(drafter_config: Mapping[str, Any], target_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The Llama decoder-layer fields of the drafter, drafter_config first, the target's as fallback
+    for what the drafter inherits (norm eps, RoPE, context length)."""
+    tgt = _text_config(target_config)
+    problems = []
+
+    def pick(key: str, *, inherit: bool) -> Any:
+        if key in drafter_config:
+            return drafter_config[key]
+        if inherit and key in tgt:
+            return tgt[key]
+        also = " (nor has the target config)" if inherit else ""
+        problems.append(_nogo(f"config.{key}", f"drafter_config has no {key}{also}"))
+        return None
+
+    hidden = pick("hidden_size", inherit=False)
+    heads = pick("num_attention_heads", inherit=False)
+    fields = {
+        "hidden_size": hidden,
+        "intermediate_size": pick("intermediate_size", inherit=False),
+        "num_attention_heads": heads,
+        "num_key_value_heads": drafter_config.get("num_key_value_heads", heads),
+        "head_dim": drafter_config.get("head_dim") or (hidden // heads if hidden and heads else None),
+        "hidden_act": drafter_config.get("hidden_act", "silu"),
+        "rms_norm_eps": pick("rms_norm_eps", inherit=True),
+        "max_position_embeddings": pick("max_position_embeddings", inherit=True),
+        "draft_vocab_size": pick("draft_vocab_size", inherit=False),
+        "norm_before_residual": drafter_config.get("norm_before_residual"),
+    }
+    if fields["hidden_act"] != "silu":
+        problems.append(_nogo("config.hidden_act", f"hidden_act {fields['hidden_act']!r}: vLLM's LlamaMLP runs "
+                              "silu only"))
+    if not isinstance(fields["norm_before_residual"], bool):
+        # llama_eagle3.py reads it with getattr default False, vLLM's speculators adapter with default
+        # True: absent, the two paths build different drafters from one checkpoint.
+        problems.append(_nogo("config.norm_before_residual", "drafter_config.norm_before_residual must be given "
+                              f"explicitly as a bool (got {fields['norm_before_residual']!r})"))
+    fields.update(_rope_fields(drafter_config, tgt, problems))
+    _raise_if_nogo(problems, "drafter config")
+    return fields
+
+
+def _rope_fields(drafter: Mapping[str, Any], target: Mapping[str, Any], problems: list[CheckResult]) -> dict[str, Any]:
+    """rope_theta / rope_scaling in the legacy layout both transformers 4 and 5 read (5 folds them
+    into `rope_parameters` on load); converted from `rope_parameters` when that is all there is."""
+    src = drafter if any(k in drafter for k in ("rope_theta", "rope_scaling", "rope_parameters")) else target
+    theta, scaling = src.get("rope_theta"), src.get("rope_scaling")
+    params = src.get("rope_parameters")
+    if theta is None and isinstance(params, Mapping) and "rope_theta" in params:
+        theta = params["rope_theta"]
+        if params.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if theta is None:
+        problems.append(_nogo("config.rope_theta", "no rope_theta in drafter_config or target_config"))
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def _prepare(
+    state_dict: Mapping[str, torch.Tensor],
+    drafter_config: Mapping[str, Any],
+    *,
+    target_config: Mapping[str, Any],
+    aux_layer_ids: list[int],
+    dtype: torch.dtype,
+    embed_tokens: bool | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], _Dims, bool]:
+    """Validate the checkpoint against its config; return tensors (our names, export dtypes), the
+    Llama layer fields, dims, and whether embed_tokens is written."""
+    if not dtype.is_floating_point:
+        raise ExportError(f"export dtype {dtype} is not floating-point")
+    num_layers, target_hidden, target_vocab = (_target_int(target_config, k)
+                                               for k in ("num_hidden_layers", "hidden_size", "vocab_size"))
+    fields = _draft_fields(drafter_config, target_config)
+    dims = _Dims(
+        hidden=int(fields["hidden_size"]),
+        heads=int(fields["num_attention_heads"]),
+        kv_heads=int(fields["num_key_value_heads"]),
+        head_dim=int(fields["head_dim"]),
+        intermediate=int(fields["intermediate_size"]),
+        target_hidden=target_hidden,
+        n_aux=len(aux_layer_ids),
+        draft_vocab=int(fields["draft_vocab_size"]),
+        target_vocab=target_vocab,
+    )
+    problems = _check_aux_ids(list(aux_layer_ids), num_layers, field_name="aux_layer_ids")
+    # Fields a DrafterConfig also carries must agree with the target and the ids given here.
+    for key, given in (("aux_layer_ids", list(aux_layer_ids)), ("target_vocab_size", target_vocab),
+                       ("target_hidden_size", target_hidden), ("target_num_hidden_layers", num_layers)):
+        if drafter_config.get(key) is not None and drafter_config[key] != given:
+            problems.append(_nogo(f"config.{key}", f"drafter_config.{key} {drafter_config[key]} != {given} "
+                                  "from the target config / aux_layer_ids argument"))
+    if dims.draft_vocab > target_vocab:
+        problems.append(_nogo("config.draft_vocab_size", f"draft_vocab_size {dims.draft_vocab} exceeds the target "
+                              f"vocab {target_vocab}"))
+    # SGLang's set_embed keeps the drafter's own embedding only when the hidden sizes differ, and
+    # vLLM asserts embed width == hidden width: then embed_tokens must ship. Otherwise it is a
+    # [target_vocab, H] duplicate that both engines replace with the target's.
+    write_embed = embed_tokens if embed_tokens is not None else dims.hidden != dims.target_hidden
+
+    kept = {k: v.detach().to("cpu") for k, v in state_dict.items() if not k.endswith(_DROPPED_SUFFIXES)}
+    if not write_embed:
+        kept.pop(EMBED_KEY, None)
+    meta = {k: (tuple(v.shape), v.dtype) for k, v in kept.items()}
+    problems += _check_tensors(meta, dims, need_embed=write_embed)
+    if "d2t" in kept and "t2d" in kept:
+        problems += _check_vocab(kept["d2t"], kept["t2d"], dims.draft_vocab, dims.target_vocab)
+    for name, t in kept.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            problems.append(_nogo(f"values.{name}", f"{name} has non-finite values"))
+    _raise_if_nogo(problems, "refusing to export")
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in kept.items():
+        # clone: safetensors refuses tensors sharing storage (e.g. a tied view)
+        out[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
+    return out, fields, dims, write_embed
+
+
+def _llama_layer_config(fields: Mapping[str, Any], dims: _Dims, dtype: torch.dtype) -> dict[str, Any]:
+    return {
+        "model_type": "llama",
+        "hidden_size": dims.hidden,
+        "intermediate_size": dims.intermediate,
+        "num_attention_heads": dims.heads,
+        "num_key_value_heads": dims.kv_heads,
+        "head_dim": dims.head_dim,
+        "hidden_act": fields["hidden_act"],
+        "rms_norm_eps": fields["rms_norm_eps"],
+        "rope_theta": fields["rope_theta"],
+        "rope_scaling": fields["rope_scaling"],
+        "max_position_embeddings": fields["max_position_embeddings"],
+        "attention_bias": False,
+        "mlp_bias": False,
+        "num_hidden_layers": 1,
+        "vocab_size": dims.target_vocab,  # target vocab: embedding rows, t2d length, logits scattered back
+        "tie_word_embeddings": False,  # SGLang would make lm_head the [target_vocab, H] embedding
+        "torch_dtype": _dtype_name(dtype),
+    }
+
+
+def _manifest(flavor: str, *, target_config: Mapping[str, Any], target_name_or_path: str,
+              aux_layer_ids: list[int], tensors: Mapping[str, torch.Tensor], write_embed: bool) -> dict[str, Any]:
+    return {
+        "format": EXPORT_FORMAT,
+        "flavor": flavor,
+        "target": {
+            "name_or_path": target_name_or_path,
+            "architectures": list(target_config.get("architectures") or []),
+            "num_hidden_layers": _target_int(target_config, "num_hidden_layers"),
+            "hidden_size": _target_int(target_config, "hidden_size"),
+            "vocab_size": _target_int(target_config, "vocab_size"),
+        },
+        "aux_layer_ids": list(aux_layer_ids),
+        "aux_layer_convention": AUX_CONVENTION,
+        "sglang_eagle_config_layer_ids": sglang_layer_ids(list(aux_layer_ids)) if flavor == "vllm" else None,
+        "embed_tokens": "included" if write_embed else "shared from the target by the engine",
+        "tensors": {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in sorted(tensors.items())},
+        "versions": {"torch": torch.__version__, "safetensors": safetensors.__version__},
+    }
+
+
+def _write_dir(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+               manifest: dict[str, Any], target_config: Mapping[str, Any]) -> Path:
+    """Write into a temp sibling, re-check it with `check_export`, then swap it into place. A
+    refused or crashed export leaves an existing out_dir untouched."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        weights = tmp / "model.safetensors"
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+        manifest["sha256"] = {"model.safetensors": _sha256(weights)}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        report = check_export(tmp, target_config=target_config)
+        _raise_if_nogo(report.problems, f"export read back from {tmp} fails its check")
+        if out_dir.exists():
+            out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def export_vllm(
+    state_dict: Mapping[str, torch.Tensor],
+    drafter_config: Mapping[str, Any],
+    out_dir: str | Path,
+    *,
+    target_config: Mapping[str, Any],
+    aux_layer_ids: list[int],
+    target_name_or_path: str,
+    dtype: torch.dtype = torch.bfloat16,
+    embed_tokens: bool | None = None,
+) -> Path:
+    """Write the vLLM (`method: eagle3`) / SGLang (`EAGLE3`) drafter dir: config.json,
+    model.safetensors (our names: midlayer.*, fc, norm, lm_head, d2t, t2d), manifest.json.
+
+    `aux_layer_ids` are input-to-layer ids (HF hidden_states indices) the drafter was trained on.
+    `embed_tokens`: None writes `embed_tokens.weight` only when the drafter's hidden size differs
+    from the target's (the engines share the target's embedding otherwise). Raises ExportError,
+    naming every problem, before anything is written.
+    """
+    aux = [int(i) for i in aux_layer_ids]
+    tensors, fields, dims, write_embed = _prepare(state_dict, drafter_config, target_config=target_config,
+                                                  aux_layer_ids=aux, dtype=dtype, embed_tokens=embed_tokens)
+    config = {
+        "architectures": [VLLM_ARCH],
+        **_llama_layer_config(fields, dims, dtype),
+        "draft_vocab_size": dims.draft_vocab,
+        "target_hidden_size": dims.target_hidden,
+        "norm_before_residual": fields["norm_before_residual"],
+        # vLLM: read as-is, input-to-layer (gpu_model_runner._get_eagle3_aux_layers_from_config).
+        "eagle_aux_hidden_state_layer_ids": aux,
+        # SGLang: read from here and +1 added (llama.py set_eagle3_layers_to_capture), so output-of-layer.
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(aux), "use_aux_hidden_state": True},
+    }
+    manifest = _manifest("vllm", target_config=target_config, target_name_or_path=target_name_or_path,
+                         aux_layer_ids=aux, tensors=tensors, write_embed=write_embed)
+    return _write_dir(Path(out_dir), config, tensors, manifest, target_config)
+
+
+def export_speculators(
+    state_dict: Mapping[str, torch.Tensor],
+    drafter_config: Mapping[str, Any],
+    out_dir: str | Path,
+    *,
+    target_config: Mapping[str, Any],
+    aux_layer_ids: list[int],
+    target_name_or_path: str,
+    dtype: torch.dtype = torch.bfloat16,
+    speculative_tokens: int = 3,
+    embed_tokens: bool | None = None,
+) -> Path:
+    """Write the speculators-format dir (`speculators_model_type: eagle3`), which vLLM also serves.
+
+    Weights are renamed by SPECULATORS_NAME_MAP (`midlayer.` -> `layers.0.`). `speculative_tokens`
+    is the greedy proposal length vLLM takes as num_lookahead_tokens when the serving command gives
+    none (vllm/transformers_utils/configs/speculators/base.py).
+    """
+    if not isinstance(speculative_tokens, int) or speculative_tokens < 1:
+        raise ExportError(f"speculative_tokens must be an int >= 1, got {speculative_tokens!r}")
+    aux = [int(i) for i in aux_layer_ids]
+    tensors, fields, dims, write_embed = _prepare(state_dict, drafter_config, target_config=target_config,
+                                                  aux_layer_ids=aux, dtype=dtype, embed_tokens=embed_tokens)
+    renamed = {SPECULATORS_NAME_MAP[k]: v for k, v in tensors.items()}
+    # Field names: speculators src/speculators/config.py (SpeculatorsConfig, VerifierConfig) and
+    # models/eagle3/config.py (Eagle3SpeculatorConfig); proposal: proposals/greedy.py.
+    config = {
+        "architectures": [SPECULATORS_ARCH],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": _llama_layer_config(fields, dims, dtype),
+        "draft_vocab_size": dims.draft_vocab,
+        "norm_before_residual": fields["norm_before_residual"],
+        "target_hidden_size": dims.target_hidden,
+        "eagle_aux_hidden_state_layer_ids": aux,  # vLLM convention (input-to-layer), no eagle_config
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": target_name_or_path,
+                         "architectures": list(target_config.get("architectures") or [])},
+        },
+        "torch_dtype": _dtype_name(dtype),
+    }
+    manifest = _manifest("speculators", target_config=target_config, target_name_or_path=target_name_or_path,
+                         aux_layer_ids=aux, tensors=renamed, write_embed=write_embed)
+    manifest["name_map"] = {k: v for k, v in SPECULATORS_NAME_MAP.items() if k in tensors}
+    return _write_dir(Path(out_dir), config, renamed, manifest, target_config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading any drafter dir
+
+_ST_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class _Checkpoint:
+    """Names, shapes and dtypes of a drafter dir's tensors; values are read on demand, so checking a
+    multi-GB drafter reads headers plus one tensor at a time."""
+
+    def __init__(self, directory: Path):
+        self.meta: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
+        self._file: dict[str, Path] = {}
+        self._loaded: dict[str, torch.Tensor] = {}  # .bin checkpoints (third-party EAGLE dirs)
+        for path in self._files(directory):
+            if path.suffix == ".safetensors":
+                with open(path, "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    header = json.loads(f.read(n))
+                header.pop("__metadata__", None)
+                for name, info in header.items():
+                    self.meta[name] = (tuple(info["shape"]), _ST_DTYPES.get(info["dtype"]))
+                    self._file[name] = path
+            else:
+                for name, t in torch.load(path, map_location="cpu", weights_only=True, mmap=True).items():
+                    self.meta[name] = (tuple(t.shape), t.dtype)
+                    self._loaded[name] = t
+
+    @staticmethod
+    def _files(d: Path) -> list[Path]:
+        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            if (d / index).is_file():
+                weight_map = json.loads((d / index).read_text())["weight_map"]
+                return [d / f for f in sorted(set(weight_map.values()))]
+        for single in ("model.safetensors", "pytorch_model.bin"):
+            if (d / single).is_file():
+                return [d / single]
+        raise ExportError(f"{d}: no model.safetensors, pytorch_model.bin or index of either")
+
+    def load(self, name: str) -> torch.Tensor:
+        if name in self._loaded:
+            return self._loaded[name]
+        with safe_open(str(self._file[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def _detect_format(config: Mapping[str, Any], names: set[str]) -> str:
+    if "speculators_model_type" in config:
+        return "speculators"
+    archs = config.get("architectures") or []
+    if any("Eagle3" in a for a in archs) or any(n.startswith("midlayer.") for n in names):
+        return "vllm"
+    return "unknown"
+
+
+def _our_names(fmt: str, names: set[str]) -> dict[str, str]:
+    """File name -> our name. vLLM-style dirs may carry `layers.0.*` (vLLM reads both spellings)."""
+    out = {}
+    for n in names:
+        if fmt == "speculators":
+            out[n] = _FROM_SPECULATORS.get(n, n)
+        elif n.startswith("layers.0."):
+            out[n] = "midlayer." + n.removeprefix("layers.0.")
+        else:
+            out[n] = n
+    return out
+
+
+def load_exported(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state_dict in our names, config.json as written) of an exported dir, either format."""
+    d = Path(directory)
+    if not (d / "config.json").is_file():
+        raise ExportError(f"{d}: no config.json")
+    config = json.loads((d / "config.json").read_text())
+    ckpt = _Checkpoint(d)
+    fmt = _detect_format(config, set(ckpt.meta))
+    if fmt == "unknown":
+        raise ExportError(f"{d}: neither a vLLM/EAGLE-3 nor a speculators drafter dir")
+    names = _our_names(fmt, set(ckpt.meta))
+    return {ours: ckpt.load(n) for n, ours in names.items()}, config
+
+
+@dataclass(slots=True)
+class CheckReport:
+    """Verdict on one drafter dir. `problems` holds only warn/nogo results; `facts` the evidence
+    (format, layer ids in both conventions, vocab sizes, dtypes)."""
+
+    path: str
+    format: str  # "vllm" | "speculators" | "unknown"
+    problems: list[CheckResult] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return worst(self.problems) != "nogo"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "format": self.format, "ok": self.ok,
+                "problems": [p.to_json() for p in self.problems], "facts": self.facts}
+
+    def render(self) -> str:
+        n_nogo = sum(p.status == "nogo" for p in self.problems)
+        head = "OK" if self.ok else f"FAIL ({n_nogo} blocking)"
+        lines = [f"{self.path}: {self.format} drafter dir: {head}"]
+        for p in self.problems:
+            lines.append(f"  {p.status:<5} {p.name:<28} {p.message}")
+        for k, v in self.facts.items():
+            lines.append(f"  {k}: {v}")
+        return "\n".join(lines)
+
+
+def _target_layers(d: Path, config: Mapping[str, Any], fmt: str,
+                   target_config: Mapping[str, Any] | str | Path | None) -> tuple[Mapping[str, Any] | None, str | None]:
+    """The target's (text) config when reachable without a network: given, or a local dir named by
+    our manifest or the speculators verifier."""
+    def from_path(path: Path, source: str) -> tuple[Mapping[str, Any], str] | None:
+        cfg_file = path if path.suffix == ".json" else path / "config.json"
+        if cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text())
+            text = dict(_text_config(cfg))
+            text.setdefault("vocab_size", cfg.get("vocab_size"))
+            return text, f"{source} ({cfg_file})"
+        return None
+
+    if isinstance(target_config, Mapping):
+        text = dict(_text_config(target_config))
+        text.setdefault("vocab_size", target_config.get("vocab_size"))
+        return text, "argument"
+    if target_config is not None:
+        found = from_path(Path(target_config), "argument")
+        if found is None:
+            raise ExportError(f"target config {target_config}: no such config.json")
+        return found
+    manifest = d / "manifest.json"
+    if manifest.is_file():
+        target = json.loads(manifest.read_text()).get("target") or {}
+        if isinstance(target.get("num_hidden_layers"), int):
+            return target, "manifest.json"
+    if fmt == "speculators":
+        name = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        if name and (found := from_path(Path(name), "speculators_config.verifier.name_or_path")):
+            return found
+    return None, None
+
+
+def _check_layer_ids(
+    config: Mapping[str, Any], fmt: str, num_layers: int | None, facts: dict[str, Any]
+) -> list[CheckResult]:
+    """The layer-id fields against what each engine reads (module docstring, "Layer ids")."""
+    out: list[CheckResult] = []
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    default = default_aux_layer_ids(num_layers) if num_layers is not None else None
+    facts["aux_layer_ids (vLLM, input-to-layer)"] = top
+    if fmt == "speculators":
+        if top is None:
+            out.append(_warn("layer_ids.implicit", "no eagle_aux_hidden_state_layer_ids: vLLM and speculators use the "
+                             f"default [2, L//2, L-3]{f' = {default}' if default else ''}; right only if the "
+                             "drafter was trained on those"))
+        else:
+            out += _check_aux_ids(top, num_layers, field_name="eagle_aux_hidden_state_layer_ids")
+        return out
+
+    eagle_config = config.get("eagle_config") or {}
+    sg = eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, Mapping) else None
+    facts["eagle_config ids (SGLang, output-of-layer)"] = sg
+    if isinstance(eagle_config, Mapping) and eagle_config.get("use_aux_hidden_state") is False:
+        out.append(_nogo("layer_ids.no_aux", "eagle_config.use_aux_hidden_state is false: vLLM skips fc and feeds "
+                         "one hidden state, not EAGLE-3's three"))
+    if top is not None:
+        out += _check_aux_ids(top, num_layers, field_name="eagle_aux_hidden_state_layer_ids")
+    if sg is not None and not (isinstance(sg, list) and all(isinstance(i, int) for i in sg)):
+        out.append(_nogo("layer_ids.type", "eagle_config.eagle_aux_hidden_state_layer_ids must be a list of ints, "
+                         f"got {sg!r}"))
+        return out
+    if top is not None and sg is not None:
+        if isinstance(top, list) and [s + 1 for s in sg] == top:
+            facts["layer id relation"] = "eagle_config = top-level - 1 (as SGLang's +1 expects)"
+        elif sg == top:
+            out.append(_nogo("layer_ids.offset", f"eagle_config ids {sg} equal the top-level ids: SGLang adds 1 "
+                             "(llama.py set_eagle3_layers_to_capture), so SGLang would take each aux state one layer "
+                             f"later than vLLM; write eagle_config = {[t - 1 for t in top]}"))
+        else:
+            out.append(_nogo("layer_ids.disagree", f"top-level ids {top} and eagle_config ids {sg} differ by other "
+                             "than the expected offset (eagle_config = top-level - 1)"))
+    elif top is not None:
+        if default is not None and top == default:
+            out.append(_warn("layer_ids.sglang_default", f"no eagle_config ids: SGLang captures its default {default}, "
+                             "which matches the top-level ids; write eagle_config to be explicit"))
+        elif default is not None:
+            out.append(_nogo("layer_ids.sglang_missing", f"no eagle_config ids: SGLang captures its default {default}, "
+                             f"not the top-level {top}; write eagle_config = {[t - 1 for t in top]}"))
+        else:
+            out.append(_warn("layer_ids.sglang_missing", "no eagle_config ids: SGLang captures its default "
+                             "[2, L//2, L-3]; target config unreachable, cannot compare"))
+    elif sg is not None:
+        out.append(_nogo("layer_ids.vllm_missing", f"only eagle_config ids {sg}: vLLM reads top-level "
+                         "eagle_aux_hidden_state_layer_ids and otherwise uses its default, and versions that fall "
+                         "back to eagle_config use those ids without SGLang's +1 (one layer early); write "
+                         f"top-level = {[s + 1 for s in sg]}"))
+        out += _check_aux_ids([s + 1 for s in sg], num_layers, field_name="eagle_config ids + 1")
+    else:
+        out.append(_warn("layer_ids.implicit", "no layer id fields: vLLM and SGLang both use the default "
+                         f"[2, L//2, L-3]{f' = {default}' if default else ''}; right only if the drafter was trained "
+                         "on those"))
+    return out
+
+
+def check_export(directory: str | Path, *, target_config: Mapping[str, Any] | str | Path | None = None) -> CheckReport:
+    """Check a drafter dir, ours or third-party, for what vLLM, SGLang and speculators need.
+
+    `target_config`: the target's config dict, or a local model dir / config.json path, used to
+    range-check layer ids and compare sizes; without it, our manifest.json or a local speculators
+    verifier path is used when present. Nothing is fetched.
+    """
+    d = Path(directory)
+    report = CheckReport(path=str(d), format="unknown")
+    problems, facts = report.problems, report.facts
+    if not (d / "config.json").is_file():
+        problems.append(_nogo("config.missing", f"{d}/config.json does not exist"))
+        return report
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        problems.append(_nogo("config.json", f"config.json is not JSON: {e}"))
+        return report
+    try:
+        ckpt = _Checkpoint(d)
+    except ExportError as e:
+        problems.append(_nogo("weights.missing", str(e)))
+        return report
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+        problems.append(_nogo("weights.unreadable", f"cannot read the weights: {e!r}"))
+        return report
+    fmt = report.format = _detect_format(config, set(ckpt.meta))
+    if fmt == "unknown":
+        problems.append(_nogo("format", "neither EAGLE-3 architecture nor speculators_model_type in config.json, "
+                              "no midlayer.* weights"))
+        return report
+
+    # -- config fields
+    if fmt == "speculators":
+        layer_cfg = config.get("transformer_layer_config")
+        problems += _check_speculators_config(config)
+        if not isinstance(layer_cfg, Mapping):
+            return report
+    else:
+        layer_cfg = config
+        problems += _check_vllm_config(config)
+    facts["architectures"] = config.get("architectures")
+    for key, label in (("norm_before_residual", "norm_before_residual"), ("draft_vocab_size", "draft_vocab_size")):
+        if key not in config:
+            why = ("vLLM's llama_eagle3 defaults it to False, vLLM's speculators adapter to True: must be explicit"
+                   if key == "norm_before_residual" else
+                   "SGLang then loads lm_head from the target and vLLM sizes lm_head to the full vocab")
+            problems.append(_nogo(f"config.{label}", f"config has no {label}; {why}"))
+    facts["norm_before_residual"] = config.get("norm_before_residual")
+
+    target, source = _target_layers(d, config, fmt, target_config)
+    num_layers = target.get("num_hidden_layers") if target else None
+    facts["target"] = {"num_hidden_layers": num_layers, "source": source} if target else "unreachable"
+
+    # -- dims
+    dims = None
+    try:
+        hidden, heads = int(layer_cfg["hidden_size"]), int(layer_cfg["num_attention_heads"])
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        dims = _Dims(
+            hidden=hidden, heads=heads,
+            kv_heads=int(layer_cfg.get("num_key_value_heads") or heads),
+            head_dim=int(layer_cfg.get("head_dim") or hidden // heads),
+            intermediate=int(layer_cfg["intermediate_size"]),
+            target_hidden=int(config.get("target_hidden_size") or hidden),
+            n_aux=len(ids) if isinstance(ids, list) and ids else 3,
+            draft_vocab=int(config.get("draft_vocab_size") or layer_cfg["vocab_size"]),
+            target_vocab=int(layer_cfg["vocab_size"]),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        problems.append(_nogo("config.sizes", f"cannot size the drafter from config.json: {e!r}"))
+    if dims is not None:
+        facts["sizes"] = {"hidden": dims.hidden, "target_hidden": dims.target_hidden, "draft_vocab": dims.draft_vocab,
+                          "target_vocab": dims.target_vocab}
+        if target:
+            for key, ours in (("hidden_size", dims.target_hidden), ("vocab_size", dims.target_vocab)):
+                if isinstance(target.get(key), int) and target[key] != ours:
+                    problems.append(_nogo(f"target.{key}", f"drafter expects target {key} {ours}, "
+                                          f"target has {target[key]}"))
+
+    # -- tensors
+    names = _our_names(fmt, set(ckpt.meta))
+    shown = {ours: n for n, ours in names.items()}
+    meta = {ours: ckpt.meta[n] for n, ours in names.items()}
+    if fmt == "vllm" and any(n.startswith("layers.0.") for n in names):
+        problems.append(_nogo("keys.layers0", "decoder weights are named layers.0.*: vLLM reads them, SGLang's "
+                              "LlamaForCausalLMEagle3 reads only midlayer.* and silently drops them"))
+    need_embed = dims is not None and dims.hidden != dims.target_hidden
+    tensor_problems = _check_tensors(meta, dims, shown=shown, need_embed=need_embed, need_vocab=False)
+    problems += tensor_problems
+    if dims is not None and "d2t" not in meta and dims.draft_vocab < dims.target_vocab:
+        problems.append(_nogo("vocab.d2t_missing", f"no d2t with draft vocab {dims.draft_vocab} < target vocab "
+                              f"{dims.target_vocab}: vLLM maps draft id i to target id i, SGLang has no hot tokens"))
+    if "t2d" not in meta:
+        problems.append(_warn("vocab.t2d_missing", "no t2d: vLLM and SGLang skip it, but specops and speculators "
+                              "training read it"))
+    if dims is not None and "d2t" in meta and "t2d" in meta:
+        problems += _check_vocab(ckpt.load(shown["d2t"]), ckpt.load(shown["t2d"]), dims.draft_vocab, dims.target_vocab)
+    facts["embed_tokens"] = "included" if EMBED_KEY in meta else "shared from the target by the engine"
+    dtypes: dict[str, int] = {}
+    for ours, (_, dt) in meta.items():
+        dtypes[_dtype_name(dt)] = dtypes.get(_dtype_name(dt), 0) + 1
+    facts["dtypes"] = dtypes
+    for ours, (_, dt) in sorted(meta.items()):
+        if dt is not None and dt.is_floating_point and not bool(torch.isfinite(ckpt.load(shown[ours])).all()):
+            problems.append(_nogo(f"values.{shown[ours]}", f"{shown[ours]} has non-finite values"))
+
+    problems += _check_layer_ids(config, fmt, num_layers, facts)
+    return report
+
+
+def _check_vllm_config(config: Mapping[str, Any]) -> list[CheckResult]:
+    out = []
+    archs = config.get("architectures") or []
+    if VLLM_ARCH not in archs:
+        if any(a.startswith("Eagle3") or a.endswith("Eagle3") for a in archs):
+            out.append(_warn("config.architectures", f"architectures {archs}: vLLM accepts it, SGLang registers only "
+                             f"{VLLM_ARCH}"))
+        else:
+            out.append(_nogo("config.architectures", f"architectures {archs} is not {[VLLM_ARCH]}"))
+    if config.get("model_type") != "llama":
+        out.append(_warn("config.model_type", f"model_type {config.get('model_type')!r}: the EAGLE-3 Llama drafter "
+                         "config is read as 'llama'"))
+    if config.get("num_hidden_layers", 1) != 1:
+        out.append(_warn("config.num_hidden_layers", f"num_hidden_layers {config.get('num_hidden_layers')}: only the "
+                         "first (midlayer) decoder layer is checked"))
+    if config.get("tie_word_embeddings") is True:
+        out.append(_nogo("config.tie_word_embeddings", "tie_word_embeddings is true: SGLang then uses the "
+                         "[vocab, H] embedding as lm_head instead of the [draft_vocab, H] lm_head"))
+    return out
+
+
+def _check_speculators_config(config: Mapping[str, Any]) -> list[CheckResult]:
+    """The structure vLLM's SpeculatorsConfig.validate_speculators_config and speculators' pydantic
+    models require."""
+    out = []
+    if config.get("speculators_model_type") != "eagle3":
+        out.append(_nogo("config.speculators_model_type", f"speculators_model_type "
+                         f"{config.get('speculators_model_type')!r} is not 'eagle3'"))
+    if config.get("architectures") != [SPECULATORS_ARCH]:
+        out.append(_warn("config.architectures", f"architectures {config.get('architectures')} is not "
+                         f"{[SPECULATORS_ARCH]} (speculators' Eagle3SpeculatorConfig default)"))
+    if not isinstance(config.get("transformer_layer_config"), Mapping):
+        out.append(_nogo("config.transformer_layer_config", "transformer_layer_config must be a dict"))
+    elif config["transformer_layer_config"].get("tie_word_embeddings") is True:
+        out.append(_nogo("config.tie_word_embeddings", "transformer_layer_config.tie_word_embeddings is true"))
+    sc = config.get("speculators_config")
+    try:
+        methods = sc["proposal_methods"]
+        types = [m["proposal_type"] for m in methods]
+        k = methods[0]["speculative_tokens"]
+        verifier = sc["verifier"]
+        _ = verifier["name_or_path"], verifier["architectures"]
+        if sc.get("algorithm") != "eagle3":
+            out.append(_nogo("config.speculators_config", f"speculators_config.algorithm {sc.get('algorithm')!r} "
+                             "is not 'eagle3'"))
+        if sc.get("default_proposal_method") not in types:
+            out.append(_nogo("config.speculators_config", f"default_proposal_method "
+                             f"{sc.get('default_proposal_method')!r} is not one of {types}"))
+        if not isinstance(k, int) or k < 1:
+            out.append(_nogo("config.speculators_config", f"speculative_tokens {k!r} must be an int >= 1"))
+    except (KeyError, IndexError, TypeError) as e:
+        out.append(_nogo("config.speculators_config", "speculators_config needs algorithm, proposal_methods "
+                         f"[{{proposal_type, speculative_tokens}}], default_proposal_method, verifier "
+                         f"{{name_or_path, architectures}}: missing {e!r}"))
+    return out

@@ -1,0 +1,437 @@
+"""The EAGLE-3 drafter: architecture only (training: train.py, export: export.py).
+
+One Llama decoder layer whose attention reads [embed(token) normed, fused hidden normed] (2H),
+a fusion `fc` (3·H_target -> H) of three target hidden states, a final `norm` and an `lm_head`
+over a reduced draft vocabulary. Parameter names are the vLLM export names (DESIGN.md, "File
+formats"), so a state_dict is written as-is.
+
+Layer order matched against vLLM `vllm/model_executor/models/llama_eagle3.py`:
+`LlamaDecoderLayer.forward` (the `layer_idx == 0` branch with `_norm_after_residual` /
+`_norm_before_residual`), `LlamaModel.forward` (which ends with `self.norm(hidden_states, residual)`
+returning `(normed, prenorm)`), `Eagle3LlamaForCausalLM.combine_hidden_states` (fc on the
+concatenated aux states) and `compute_logits` (lm_head on the normed output, draft ids mapped to
+target ids with `d2t`). vLLM's fused `RMSNorm(x, residual)` returns `(norm(x + residual), x + residual)`;
+unrolled, one drafter step is:
+
+    e  = input_layernorm(embed_tokens(token))                 [.., H]
+    g  = fused hidden (step 0: fc(cat(aux_0, aux_1, aux_2)); later: the previous step's `h`)
+    residual = g                     (norm_before_residual: residual = hidden_norm(g))
+    x  = cat(e, hidden_norm(g))                                [.., 2H]
+    h  = residual + o_proj(attn(q_proj(x), k_proj(x), v_proj(x)))   (RoPE on q, k)
+    h  = h + mlp(post_attention_layernorm(h))                  -> returned, pre-norm
+    logits = lm_head(norm(h))                                  [.., draft_vocab]
+
+vLLM feeds the pre-norm `h` (its `hidden_prenorm`) to the next draft step, and so does training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Parameter and buffer names of the drafter, exactly as DESIGN.md fixes them. A test asserts the
+# module's state_dict keys equal this tuple; export.py maps nothing (vLLM reads these names).
+STATE_DICT_KEYS = (
+    "embed_tokens.weight",
+    "fc.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+)
+
+
+def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
+    """[2, L//2, L-3] as "input to layer i" (= HF `output_hidden_states` index i), vLLM's convention."""
+    n = num_hidden_layers
+    return [min(2, n - 1), n // 2, max(n - 3, 0)]
+
+
+def _text_config(hf_config: Any) -> Any:
+    # Multimodal targets (Qwen-VL, Llama-4, Gemma-3...) nest the language model's config.
+    for name in ("text_config", "language_config", "llm_config"):
+        sub = hf_config.get(name) if isinstance(hf_config, dict) else getattr(hf_config, name, None)
+        if sub is not None:
+            return sub
+    return hf_config
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    v = cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+    return default if v is None else v
+
+
+def rope_from_hf(cfg: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None) from an HF config of transformers 4 (`rope_theta`,
+    `rope_scaling`) or 5 (`rope_parameters` holding both)."""
+    params = _get(cfg, "rope_parameters")
+    theta = _get(cfg, "rope_theta")
+    scaling = _get(cfg, "rope_scaling")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        if params.get("rope_type", params.get("type", "default")) != "default":
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if isinstance(scaling, dict):
+        scaling = dict(scaling)
+        scaling.pop("rope_theta", None)
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling = None if kind == "default" else {"rope_type": kind, **scaling}
+    return float(theta if theta is not None else 10000.0), scaling or None
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # passed through to the export's config.json
+    max_position_embeddings: int = 4096
+    target_hidden_size: int | None = None  # width of each aux state; default hidden_size
+    norm_before_residual: bool = False
+    hidden_act: str = "silu"
+    target_num_hidden_layers: int | None = None  # recorded for export (SGLang's output-of-layer ids)
+
+    def __post_init__(self) -> None:
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise ValueError(
+                f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab {self.target_vocab_size}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"EAGLE-3 fuses exactly 3 aux layers, got {self.aux_layer_ids}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r}: the drafter layer is Llama (silu)")
+
+    @classmethod
+    def from_target(
+        cls,
+        hf_config: Any,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int] | None = None,
+        **overrides: Any,
+    ) -> "DrafterConfig":
+        """The drafter layer takes the target's shapes (EAGLE-3 convention). `hf_config` is an HF
+        config object or its dict; a nested `text_config` is used when present."""
+        c = _text_config(hf_config)
+        hidden = int(_get(c, "hidden_size"))
+        heads = int(_get(c, "num_attention_heads"))
+        layers = int(_get(c, "num_hidden_layers"))
+        theta, scaling = rope_from_hf(c)
+        kw: dict[str, Any] = dict(
+            hidden_size=hidden,
+            intermediate_size=int(_get(c, "intermediate_size")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(_get(c, "num_key_value_heads", heads)),
+            head_dim=int(_get(c, "head_dim", hidden // heads)),
+            rms_norm_eps=float(_get(c, "rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(_get(c, "max_position_embeddings", 4096)),
+            target_vocab_size=int(_get(c, "vocab_size")),
+            draft_vocab_size=int(draft_vocab_size),
+            aux_layer_ids=list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(layers),
+            target_hidden_size=hidden,
+            target_num_hidden_layers=layers,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    @classmethod
+    def debug(cls, **overrides: Any) -> "DrafterConfig":
+        """A tiny drafter for CPU unit tests (GQA 4:2, head_dim != H/heads to catch shape slips)."""
+        kw: dict[str, Any] = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            target_vocab_size=96,
+            draft_vocab_size=48,
+            aux_layer_ids=[2, 3, 3],
+            max_position_embeddings=256,
+            target_num_hidden_layers=6,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32 (as HF/vLLM Llama), result back in the input dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] and the cos/sin scale (1.0 except yarn/longrope)."""
+    d = cfg.head_dim
+    base = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    kind = (cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type", "default"))
+    if kind in ("default", "dynamic"):  # dynamic NTK equals default up to max_position_embeddings
+        return base, 1.0
+    # Scaled variants: reuse transformers' definitions (the same formulas vLLM's get_rope implements).
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported")
+    params = {**(cfg.rope_scaling or {}), "rope_type": kind, "rope_theta": cfg.rope_theta}
+    params.pop("type", None)
+    orig = params.get("original_max_position_embeddings")
+    hf = LlamaConfig(
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=max(cfg.max_position_embeddings, orig or 0),
+        rope_parameters=params,
+    )
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](hf, torch.device("cpu"))
+    return inv_freq.float(), float(scale)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Attention(nn.Module):
+    """GQA attention whose q/k/v read the 2H input. Names match vLLM's (q/k/v/o_proj, no bias)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.d = nh, nkv, d
+        self.q_proj = nn.Linear(2 * h, nh * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, nkv * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, nkv * d, bias=False)
+        self.o_proj = nn.Linear(nh * d, h, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        past_kv: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)  # [B, nh, T, d]
+        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)  # [B, nkv, T, d]
+        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        cos, sin = cos.to(q.dtype)[:, None], sin.to(q.dtype)[:, None]  # [B, 1, T, d]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        kv = (k, v)
+        keys = torch.cat([pk.to(k.dtype) for pk, _ in past_kv] + [k], dim=2) if past_kv else k
+        vals = torch.cat([pv.to(v.dtype) for _, pv in past_kv] + [v], dim=2) if past_kv else v
+        S = keys.shape[2]
+        if attn_mask is None and S > T:
+            # KV-cache semantics: query i sees every past key and current keys <= i.
+            attn_mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+        if self.nh != self.nkv:  # expand KV heads; memory-efficient SDPA kernels do not take GQA + masks
+            keys = keys.repeat_interleave(self.nh // self.nkv, dim=1)
+            vals = vals.repeat_interleave(self.nh // self.nkv, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, is_causal=attn_mask is None)
+        out = out.transpose(1, 2).reshape(B, T, self.nh * self.d)
+        return self.o_proj(out), kv
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.norm_before_residual = cfg.norm_before_residual
+
+    def forward(self, embeds, hidden, cos, sin, attn_mask, past_kv):
+        e = self.input_layernorm(embeds)
+        g = self.hidden_norm(hidden)
+        residual = g if self.norm_before_residual else hidden
+        x = torch.cat([e.to(g.dtype), g], dim=-1)  # [B, T, 2H]
+        a, kv = self.self_attn(x, cos, sin, attn_mask, past_kv)
+        h = residual + a
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, kv
+
+
+class DraftOut(NamedTuple):
+    hidden: torch.Tensor  # [B, T, H] pre-norm; the next step's hidden input
+    logits: torch.Tensor | None  # [B, T, draft_vocab]
+    kv: tuple[torch.Tensor, torch.Tensor]  # this call's (k, v), [B, nkv, T, head_dim], k after RoPE
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.target_vocab_size, H)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        # Identity vocab until set_vocab(): draft id i is target id i.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        t2d = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        inv_freq, scale = _rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_scale = scale
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.normal_(0.0, std)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    # ---------------------------------------------------------------- vocab and target init
+    @torch.no_grad()
+    def set_vocab(self, d2t: torch.Tensor) -> None:
+        """d2t int64 [draft_vocab]: target_id = i + d2t[i]. t2d is derived from it."""
+        d2t = torch.as_tensor(d2t, dtype=torch.int64)
+        if d2t.shape != self.d2t.shape:
+            raise ValueError(f"d2t has shape {tuple(d2t.shape)}, expected {tuple(self.d2t.shape)}")
+        ids = torch.arange(d2t.numel()) + d2t
+        if ids.min() < 0 or ids.max() >= self.config.target_vocab_size or ids.unique().numel() != ids.numel():
+            raise ValueError("d2t maps draft ids outside the target vocab or onto the same target id twice")
+        self.d2t.copy_(d2t)
+        self.t2d.zero_()
+        self.t2d[ids.to(self.t2d.device)] = True
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def init_from_target(
+        self,
+        target_embed_weight: torch.Tensor,
+        target_lm_head_weight: torch.Tensor,
+        d2t: torch.Tensor | None = None,
+        *,
+        freeze_embeddings: bool = True,
+    ) -> None:
+        """Copy the target's embedding (frozen by default) and start lm_head from the target's
+        lm_head rows of the draft vocab. Both [target_vocab, H]."""
+        if d2t is not None:
+            self.set_vocab(d2t)
+        want = (self.config.target_vocab_size, self.config.hidden_size)
+        for name, w in (("embed", target_embed_weight), ("lm_head", target_lm_head_weight)):
+            if tuple(w.shape) != want:
+                raise ValueError(f"target {name} has shape {tuple(w.shape)}, expected {want}")
+        self.embed_tokens.weight.copy_(target_embed_weight.to(self.embed_tokens.weight))
+        self.embed_tokens.weight.requires_grad_(not freeze_embeddings)
+        rows = (torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t).cpu()
+        self.lm_head.weight.copy_(target_lm_head_weight.cpu()[rows].to(self.lm_head.weight))
+
+    # ---------------------------------------------------------------- forward
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., 3, H_target] (aux_layer_ids order) or [..., 3·H_target] -> fused [..., H]."""
+        if aux.dim() >= 2 and aux.shape[-2] == 3 and aux.shape[-1] == self.config.target_hidden_size:
+            aux = aux.flatten(-2)
+        if not torch.is_autocast_enabled(aux.device.type):
+            aux = aux.to(self.fc.weight.dtype)
+        return self.fc(aux)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, head_dim] in fp32 for integer positions [B, T]."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] pre-norm -> [..., draft_vocab]."""
+        return self.lm_head(self.norm(hidden))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        past_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        return_logits: bool = True,
+    ) -> DraftOut:
+        """One drafter step.
+
+        input_ids [B, T] target-vocab ids; hidden [B, T, H] (fused aux states or the previous
+        step's output); positions [B, T]. attn_mask bool [B or 1, 1, T, S] over keys
+        cat(past_kv..., this call's keys) (True = attend); None means causal with every past key
+        visible. Returns the pre-norm hidden, logits (unless return_logits=False) and this call's kv.
+        """
+        embeds = self.embed_tokens(input_ids)
+        cos, sin = self.rope(positions)
+        h, kv = self.midlayer(embeds, hidden, cos, sin, attn_mask, list(past_kv or ()))
+        return DraftOut(h, self.compute_logits(h) if return_logits else None, kv)
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+__all__ = [
+    "STATE_DICT_KEYS",
+    "DrafterConfig",
+    "DraftOut",
+    "Eagle3Drafter",
+    "default_aux_layer_ids",
+    "rope_from_hf",
+    "count_parameters",
+]

@@ -1,0 +1,1100 @@
+"""Train the EAGLE-3 drafter with training-time test (TTT): features/ (or an in-process target) ->
+drafter/checkpoints/step-<n>/, drafter/metrics.jsonl, drafter/manifest.json.
+
+Alignment (one document x_0..x_{n-1}; aux_t [3, H] and final_t [H] are the target's states at
+token t, final pre-norm). TTT unrolls K steps; at step k, slot t:
+
+    input token   x_{t+1+k}                       (step 0: input_ids shifted left by one)
+    hidden in     k = 0: fc(aux_t);  k > 0: the drafter's own step k-1 output at slot t
+    position      t + k                           (vLLM: the hidden's position, +1 per draft step)
+    predicts      x_{t+2+k}
+    teacher       softmax(lm_head(norm(final_{t+1+k}))[draft ids])   (the target's next-token
+                  distribution after x_{t+1+k}, restricted to the draft vocab)
+    counted iff   t+2+k <= n-1 and loss_mask[t+2+k] == 1
+
+That is inference in vLLM: the target ran x_0..x_t and sampled x_{t+1}; the drafter gets
+(hidden_t, x_{t+1}) at position t and proposes x_{t+2}; then (its own hidden, x_{t+2}) at t+1 ...
+
+Attention at step k (keys laid out [K_0 | K_1 | ... | K_k], each [B, nkv, T, d]; bool mask
+[B, 1, T, (k+1)·T]): the query of slot t sees the step-0 keys of slots s <= t of its own document
+(block 0: causal & same document) and, for j = 1..k, the step-j key of slot t itself (blocks
+1..k: the diagonal). Those are exactly the keys a chain started at t has in vLLM's KV cache at its
+k-th draft: the prefix computed from target states, then its own previous drafts.
+
+Loss: sum_k loss_decay^k · mean over counted slots of the soft cross-entropy
+-sum_v p_teacher(v) log p_drafter(v). Per-step accuracy: argmax drafter == argmax teacher (draft
+vocab). Simulated tau (chain of K drafts, temperature 0): 1 + sum_k prod_{i<=k} acc_i.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import nn
+
+from ..campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json
+from ..errors import ConfigError, InputError, Interrupted
+from .model import DrafterConfig, Eagle3Drafter, count_parameters, default_aux_layer_ids
+
+log = logging.getLogger("specops.train")
+
+FEATURES_FORMAT = "specops-features-v1"
+FeaturesFn = Callable[[list[torch.Tensor]], dict[str, Any]]
+
+
+# ---------------------------------------------------------------- target head (teacher)
+
+class TargetHead(NamedTuple):
+    config: dict[str, Any]  # the target's config.json (the text config when nested)
+    norm_weight: torch.Tensor  # [H] final norm
+    rms_norm_eps: float
+    embed: torch.Tensor  # [V, H]
+    lm_head: torch.Tensor  # [V, H] (the embedding when tied)
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, from the index when sharded."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        wm = json.loads(index.read_text())["weight_map"]
+        return {k: model_dir / v for k, v in wm.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise InputError(f"{model_dir}: no *.safetensors weights (the teacher needs the target's norm and lm_head)")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            out.update({k: f for k in h.keys()})
+    return out
+
+
+def _pick(names: list[str], suffix: str) -> str | None:
+    # Language-model tensors only: multimodal checkpoints also carry vision towers and MTP heads.
+    skip = ("vision", "visual", "audio", "mtp", "image", "projector")
+    cands = [n for n in names if (n == suffix or n.endswith("." + suffix)) and ".layers." not in n
+             and not any(s in n for s in skip)]
+    return min(cands, key=len) if cands else None
+
+
+def load_target_head(model_dir: str | os.PathLike[str]) -> TargetHead:
+    """Read only the final norm, embedding and lm_head tensors of an HF model directory."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    cfg_all = json.loads((model_dir / "config.json").read_text())
+    cfg = cfg_all
+    for key in ("text_config", "language_config", "llm_config"):
+        if isinstance(cfg_all.get(key), dict):
+            cfg = cfg_all[key]
+            break
+    files = _weight_files(model_dir)
+    names = list(files)
+    norm, embed, head = _pick(names, "norm.weight"), _pick(names, "embed_tokens.weight"), _pick(names, "lm_head.weight")
+    if norm is None or embed is None:
+        raise InputError(f"{model_dir}: cannot find the final norm / embed_tokens weights in {len(names)} tensors")
+    tied = cfg.get("tie_word_embeddings", cfg_all.get("tie_word_embeddings", False))
+    if head is None and not tied:
+        log.warning("%s: no lm_head.weight and tie_word_embeddings is not set; using the embedding", model_dir)
+    head = head or embed
+
+    def get(name: str) -> torch.Tensor:
+        with safe_open(str(files[name]), "pt") as h:
+            return h.get_tensor(name)
+
+    e = get(embed)
+    return TargetHead(cfg, get(norm).float(), float(cfg.get("rms_norm_eps", 1e-6)), e,
+                      e if head == embed else get(head))
+
+
+class Teacher:
+    """Target logits over the draft vocab from final hidden states: lm_head(norm(final)) rows d2t.
+
+    Only the draft-vocab rows of lm_head are kept ([Vd, H] instead of [V, H]): softmax over the
+    draft vocab needs nothing else, and it cuts the matmul by V/Vd.
+    """
+
+    def __init__(self, head: TargetHead, d2t: torch.Tensor, *, final_prenorm: bool, device: torch.device,
+                 dtype: torch.dtype):
+        ids = torch.arange(d2t.numel()) + d2t.cpu()
+        self.rows = head.lm_head[ids].to(device=device, dtype=dtype)  # [Vd, H]
+        self.norm_weight = head.norm_weight.to(device)
+        self.eps = head.rms_norm_eps
+        self.final_prenorm = final_prenorm
+
+    @torch.no_grad()
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """final [..., H] -> [..., Vd] float32."""
+        x = final.float()
+        if self.final_prenorm:  # as the target's RMSNorm: fp32 statistics, weight in fp32
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
+        return (x.to(self.rows.dtype) @ self.rows.T).float()
+
+
+# ---------------------------------------------------------------- data
+
+@dataclass
+class Sample:
+    input_ids: torch.Tensor  # int64 [n]
+    loss_mask: torch.Tensor  # bool [n]
+    aux: torch.Tensor | None = None  # [n, 3, H]
+    final: torch.Tensor | None = None  # [n, H] pre-norm
+
+
+def _usable(loss_mask: torch.Tensor) -> bool:
+    # Step 0 predicts x_{t+2}: a sample needs a trainable token at index >= 2.
+    return loss_mask.numel() >= 3 and bool(loss_mask[2:].any())
+
+
+class FeatureSplit:
+    """features/<split>/: index.json + shard-*.safetensors (DESIGN "features/"), read lazily."""
+
+    def __init__(self, split_dir: Path, *, max_seq_len: int | None = None, out_dtype: torch.dtype = torch.float32):
+        from safetensors import safe_open
+
+        self.dir = Path(split_dir)
+        self.index = read_json(self.dir / "index.json")
+        if self.index is None:
+            raise InputError(f"{self.dir}/index.json not found: run `specops extract` first")
+        if self.index.get("format") != FEATURES_FORMAT or not self.index.get("complete"):
+            raise InputError(f"{self.dir}/index.json: not a complete {FEATURES_FORMAT} index")
+        self.aux_layer_ids = list(self.index["aux_layer_ids"])
+        self.hidden_size = int(self.index["hidden_size"])
+        self.final_prenorm = self.index.get("final", "pre-norm") == "pre-norm"
+        self.fp8 = self.index.get("dtype") == "float8_e4m3fn"
+        self.out_dtype = out_dtype
+        self._handles: dict[int, Any] = {}
+        self.items: list[tuple[int, int, int]] = []  # (shard, start, end)
+        self.lengths: list[int] = []
+        self.skipped = 0
+        self.shards = [self.dir / s["name"] for s in self.index["shards"]]
+        for si, path in enumerate(self.shards):
+            with safe_open(str(path), "pt") as h:
+                offsets = h.get_tensor("offsets").tolist()
+                lm = h.get_tensor("loss_mask")
+            for a, b in zip(offsets[:-1], offsets[1:]):
+                if max_seq_len:
+                    b = min(b, a + max_seq_len)
+                if not _usable(lm[a:b]):
+                    self.skipped += 1
+                    continue
+                self.items.append((si, a, b))
+                self.lengths.append(b - a)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def _h(self, si: int):
+        from safetensors import safe_open
+
+        if si not in self._handles:
+            self._handles[si] = safe_open(str(self.shards[si]), "pt")
+        return self._handles[si]
+
+    def get(self, i: int) -> Sample:
+        si, a, b = self.items[i]
+        h = self._h(si)
+        aux, final = h.get_slice("aux")[a:b], h.get_slice("final")[a:b]
+        if self.fp8:
+            aux = aux.float() * h.get_slice("aux_scale")[a:b].float()[..., None]
+            final = final.float() * h.get_slice("final_scale")[a:b].float()[..., None]
+        return Sample(
+            h.get_slice("input_ids")[a:b].long(),
+            h.get_slice("loss_mask")[a:b].bool(),
+            aux.to(self.out_dtype),
+            final.to(self.out_dtype),
+        )
+
+
+class TokenSplit:
+    """build/<split>.safetensors (input_ids, loss_mask, offsets) for online mode."""
+
+    def __init__(self, path: Path, *, max_seq_len: int | None = None):
+        from safetensors.torch import load_file
+
+        if not path.is_file():
+            raise InputError(f"{path} not found: run `specops build` first")
+        t = load_file(str(path))
+        self.ids, self.mask = t["input_ids"].long(), t["loss_mask"].bool()
+        offsets = t["offsets"].tolist()
+        self.items: list[tuple[int, int]] = []
+        self.lengths: list[int] = []
+        self.skipped = 0
+        for a, b in zip(offsets[:-1], offsets[1:]):
+            if max_seq_len:
+                b = min(b, a + max_seq_len)
+            if not _usable(self.mask[a:b]):
+                self.skipped += 1
+                continue
+            self.items.append((a, b))
+            self.lengths.append(b - a)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def get(self, i: int) -> Sample:
+        a, b = self.items[i]
+        return Sample(self.ids[a:b], self.mask[a:b])
+
+
+def make_batches(lengths: list[int], batch_tokens: int, *, seed: int | None, epoch: int = 0) -> list[list[int]]:
+    """Length-bucketed batches: padded size (rows × longest) <= batch_tokens (a longer sample goes
+    alone). seed None: no shuffle (validation). Otherwise the order is shuffled, sorted by length
+    inside mega-chunks of ~64 batches (so batch composition varies by epoch), and the batch order
+    is shuffled; deterministic in (seed, epoch)."""
+    n = len(lengths)
+    order = list(range(n))
+    rng = random.Random(f"specops-train:{seed}:{epoch}") if seed is not None else None
+    if rng is not None:
+        rng.shuffle(order)
+        per_batch = max(1, batch_tokens // max(1, sorted(lengths)[n // 2] if n else 1))
+        chunk = 64 * per_batch
+    else:
+        chunk = max(n, 1)
+    batches: list[list[int]] = []
+    for c in range(0, n, chunk):
+        part = sorted(order[c:c + chunk], key=lambda i: (-lengths[i], i))
+        cur: list[int] = []
+        longest = 0
+        for i in part:
+            L = lengths[i]
+            if cur and (len(cur) + 1) * max(longest, L) > batch_tokens:
+                batches.append(cur)
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, L)
+        if cur:
+            batches.append(cur)
+    if rng is not None:
+        rng.shuffle(batches)
+    return batches
+
+
+@dataclass
+class Batch:
+    """Rows of one or more documents, right-padded to T. Padding has doc = -1."""
+
+    input_ids: torch.Tensor  # int64 [B, T]
+    loss_mask: torch.Tensor  # bool [B, T]
+    doc: torch.Tensor  # int64 [B, T], document number within the row, -1 = padding
+    pos: torch.Tensor  # int64 [B, T], position within the document
+    doc_end: torch.Tensor  # int64 [B, T], slot index one past the document's last token
+    aux: torch.Tensor  # [B, T, 3, H_target]
+    final: torch.Tensor  # [B, T, H]
+    n_tokens: int
+
+    def to(self, device: torch.device) -> "Batch":
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return Batch(**{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in kw.items()})
+
+
+def collate(rows: list[list[Sample]]) -> Batch:
+    """rows[r] = the documents packed into row r (in order). Each sample must carry aux/final."""
+    T = max(sum(s.input_ids.numel() for s in docs) for docs in rows)
+    B = len(rows)
+    first = rows[0][0]
+    Ht, H = first.aux.shape[-1], first.final.shape[-1]
+    ids = torch.zeros(B, T, dtype=torch.int64)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    doc = torch.full((B, T), -1, dtype=torch.int64)
+    pos = torch.zeros(B, T, dtype=torch.int64)
+    end = torch.zeros(B, T, dtype=torch.int64)
+    aux = torch.zeros(B, T, 3, Ht, dtype=first.aux.dtype, device=first.aux.device)
+    final = torch.zeros(B, T, H, dtype=first.final.dtype, device=first.final.device)
+    n_tokens = 0
+    for r, docs in enumerate(rows):
+        a = 0
+        for d, s in enumerate(docs):
+            n = s.input_ids.numel()
+            b = a + n
+            ids[r, a:b] = s.input_ids
+            mask[r, a:b] = s.loss_mask
+            doc[r, a:b] = d
+            pos[r, a:b] = torch.arange(n)
+            end[r, a:b] = b
+            aux[r, a:b] = s.aux
+            final[r, a:b] = s.final
+            a = b
+            n_tokens += n
+    return Batch(ids, mask, doc, pos, end, aux, final, n_tokens)
+
+
+def _attach_features(samples: list[Sample], features_fn: FeaturesFn, dtype: torch.dtype) -> None:
+    """Online mode: features_fn([ids_i int64 [n_i]]) -> {"aux": [N, 3, H] or per-sample list,
+    "final": [N, H] (pre-norm) or per-sample list}, N = sum n_i in order."""
+    out = features_fn([s.input_ids for s in samples])
+    for key in ("aux", "final"):
+        v = out[key]
+        sizes = [s.input_ids.numel() for s in samples]
+        parts = list(v) if isinstance(v, (list, tuple)) else list(torch.split(v, sizes))
+        for s, p, n in zip(samples, parts, sizes):
+            if p.shape[0] != n:
+                raise ValueError(f"features_fn returned {key} with {p.shape[0]} rows for a {n}-token sample")
+            setattr(s, key, p.detach().to(dtype))  # stays on the features_fn's device
+
+
+def target_features_fn(model_dir: str | os.PathLike[str], device: torch.device,
+                       aux_layer_ids: list[int] | None = None) -> FeaturesFn:
+    """The default online features_fn: the target itself (extract.py's loader and forward), run on
+    right-padded batches (positions 0..n-1 per row, causal mask alone keeps real tokens exact)."""
+    from ..extract import compute_features, load_target
+
+    target = load_target(model_dir, device=device)
+    ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(target.num_hidden_layers)
+
+    def fn(samples: list[torch.Tensor]) -> dict[str, Any]:
+        sizes = [s.numel() for s in samples]
+        batch = torch.zeros(len(samples), max(sizes), dtype=torch.long)
+        for i, s in enumerate(samples):
+            batch[i, :sizes[i]] = s
+        out = compute_features(target, batch.to(target.device), None, ids)  # aux [B, T, 3, H], final [B, T, H]
+        return {"aux": [out["aux"][i, :n] for i, n in enumerate(sizes)],
+                "final": [out["final"][i, :n] for i, n in enumerate(sizes)]}
+
+    fn.aux_layer_ids = ids  # type: ignore[attr-defined]
+    return fn
+
+
+# ---------------------------------------------------------------- training-time test
+
+def shift_left(x: torch.Tensor, n: int, fill: Any = 0) -> torch.Tensor:
+    """[B, T, ...] -> y[:, t] = x[:, t + n], `fill` past the end."""
+    if n == 0:
+        return x
+    pad = torch.full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+class Targets(NamedTuple):
+    p: torch.Tensor  # float32 [M, Vd] teacher probabilities over the draft vocab
+    argmax: torch.Tensor  # int64 [M]
+    row_of: torch.Tensor  # int64 [B, T]: slot j -> row of p (or -1), the distribution after x_j
+
+
+def teacher_targets(teacher: Teacher, batch: Batch) -> Targets:
+    """Teacher distributions for the slots some step needs: j with x_{j+1} in the same document
+    and trainable (slot t+1+k feeds step k at slot t)."""
+    T = batch.input_ids.shape[1]
+    slot = torch.arange(T, device=batch.doc.device)
+    need = (batch.doc >= 0) & (slot + 1 < batch.doc_end) & shift_left(batch.loss_mask, 1, False)
+    row_of = torch.full_like(batch.doc, -1)
+    row_of[need] = torch.arange(int(need.sum()), device=need.device)
+    logits = teacher.logits(batch.final[need])  # [M, Vd]
+    return Targets(torch.softmax(logits, dim=-1), logits.argmax(-1), row_of)
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """-sum_v p(v) log softmax(logits)(v) per row, p = p_all[rows].
+
+    Saves only the logits (bf16 under autocast) and the row indices into p_all, which all K steps
+    share; autograd's own graph would keep p[rows] and log_softmax in fp32 for every step (at 16K
+    tokens × 32K draft vocab that is 4 GiB per step). Gradient: (softmax(logits) - p) · g, as sum(p) = 1.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ce = -(p_all[rows] * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+        ctx.save_for_backward(logits, p_all, rows)
+        return ce
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, p_all, rows = ctx.saved_tensors
+        g = (torch.softmax(logits.float(), dim=-1) - p_all[rows]) * grad[:, None]
+        return g.to(logits.dtype), None, None
+
+
+def soft_cross_entropy(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """logits [n, Vd]; p_all float32 [M, Vd] (rows sum to 1); rows int64 [n] -> ce float32 [n]."""
+    return _SoftCrossEntropy.apply(logits, p_all, rows)
+
+
+class TTTOut(NamedTuple):
+    loss: torch.Tensor  # scalar, sum_k decay^k · ce_sum[k] / count[k]
+    ce_sum: torch.Tensor  # float32 [K], detached
+    correct: torch.Tensor  # int64 [K]
+    count: torch.Tensor  # int64 [K]
+    logits: list[torch.Tensor] | None  # per step [B, T, Vd] (return_logits=True; tests)
+
+
+def ttt_masks(doc: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Bool attention masks [B, 1, T, (k+1)·T] for k = 0..steps-1 (see the module docstring)."""
+    B, T = doc.shape
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    # Padding (doc = -1) attends to earlier padding only: never an empty row (NaN), never seen by real slots.
+    block0 = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # [B, 1, T, T]
+    diag = torch.eye(T, dtype=torch.bool, device=doc.device).expand(B, 1, T, T)
+    return [torch.cat([block0] + [diag] * k, dim=-1) for k in range(steps)]
+
+
+def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps: int, decay: float,
+                return_logits: bool = False) -> TTTOut:
+    B, T = batch.input_ids.shape
+    slot = torch.arange(T, device=batch.doc.device)
+    hidden = drafter.fuse(batch.aux)  # [B, T, H]
+    masks = ttt_masks(batch.doc, steps)
+    past: list[tuple[torch.Tensor, torch.Tensor]] = []
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    ce_sums, corrects, counts, all_logits = [], [], [], []
+    for k in range(steps):
+        tokens = shift_left(batch.input_ids, 1 + k)  # [B, T]: x_{t+1+k}
+        out = drafter(tokens, hidden, batch.pos + k, attn_mask=masks[k], past_kv=past, return_logits=False)
+        past.append(out.kv)
+        hidden = out.hidden  # [B, T, H], the next step's hidden input (gradient flows through)
+        valid = (batch.doc >= 0) & (slot + 2 + k < batch.doc_end) & shift_left(batch.loss_mask, 2 + k, False)
+        rows = shift_left(targets.row_of, 1 + k, -1)[valid]  # teacher after x_{t+1+k}
+        logits = drafter.compute_logits(hidden[valid])  # [n_k, Vd], only counted slots
+        ce = soft_cross_entropy(logits, targets.p, rows)  # [n_k] float32
+        n = ce.numel()
+        loss = loss + (decay ** k) * ce.sum() / max(n, 1)
+        ce_sums.append(ce.detach().sum())
+        corrects.append((logits.detach().argmax(-1) == targets.argmax[rows]).sum())
+        counts.append(torch.tensor(n, device=ce.device))
+        if return_logits:
+            all_logits.append(drafter.compute_logits(hidden).float())
+    return TTTOut(loss, torch.stack(ce_sums), torch.stack(corrects), torch.stack(counts),
+                  all_logits if return_logits else None)
+
+
+class TTTModule(nn.Module):
+    """The whole unroll as one forward, so DDP sees one forward per backward."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
+        super().__init__()
+        self.drafter = drafter
+        self.steps, self.decay = steps, decay
+
+    def forward(self, batch: Batch, targets: Targets) -> TTTOut:
+        return ttt_forward(self.drafter, batch, targets, steps=self.steps, decay=self.decay)
+
+
+def simulated_tau(acc: list[float]) -> float:
+    """Mean accepted tokens per target step for a chain of len(acc) drafts: 1 + sum_k prod_{i<=k} acc_i."""
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        tau += run
+    return tau
+
+
+# ---------------------------------------------------------------- checkpoints
+
+CKPT_FILES = ("model.safetensors", "drafter_config.json", "optimizer.pt", "rng.pt", "state.json")
+
+
+def checkpoints_dir(drafter_dir: Path) -> Path:
+    return Path(drafter_dir) / "checkpoints"
+
+
+def list_checkpoints(drafter_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (renamed into place, every file present), oldest first."""
+    root = checkpoints_dir(drafter_dir)
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if not p.name.startswith("step-") or not p.is_dir():
+                continue
+            try:
+                step = int(p.name[5:])
+            except ValueError:
+                continue
+            if all((p / f).is_file() for f in CKPT_FILES) and (read_json(p / "state.json") or {}).get("complete"):
+                out.append((step, p))
+    return sorted(out)
+
+
+def latest_checkpoint(drafter_dir: Path) -> Path | None:
+    cks = list_checkpoints(drafter_dir)
+    return cks[-1][1] if cks else None
+
+
+def load_drafter(ckpt_dir: str | os.PathLike[str], device: str | torch.device = "cpu") -> Eagle3Drafter:
+    """A drafter from a checkpoint directory (its config travels with it)."""
+    from safetensors.torch import load_file
+
+    ckpt_dir = Path(ckpt_dir)
+    cfg = DrafterConfig.from_dict(json.loads((ckpt_dir / "drafter_config.json").read_text()))
+    model = Eagle3Drafter(cfg)
+    model.load_state_dict(load_file(str(ckpt_dir / "model.safetensors")), strict=True)
+    return model.to(device)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(drafter_dir: Path, step: int, drafter: Eagle3Drafter, optimizer, scheduler,
+                    state: dict[str, Any], keep: int) -> Path:
+    """Write step-<n>/ under a temp name, fsync, rename; then prune to the newest `keep`."""
+    from safetensors.torch import save_file
+
+    root = checkpoints_dir(drafter_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    tmp = root / f".step-{step}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    sd = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(sd, str(tmp / "model.safetensors"))
+    (tmp / "drafter_config.json").write_text(json.dumps(drafter.config.to_dict(), indent=1) + "\n")
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({**state, "step": step, "complete": True, "saved": now_iso()}, indent=1))
+    for f in CKPT_FILES:
+        _fsync_file(tmp / f)
+    if final.exists():  # a rerun reached the same step again (e.g. after resuming from an older one)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_file(root)
+    for _, old in list_checkpoints(drafter_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _load_checkpoint(path: Path, drafter: Eagle3Drafter, optimizer, scheduler) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    sd = load_file(str(path / "model.safetensors"), device=str(drafter.fc.weight.device))
+    drafter.load_state_dict(sd, strict=True)
+    opt = torch.load(path / "optimizer.pt", map_location=drafter.fc.weight.device, weights_only=True)
+    optimizer.load_state_dict(opt["optimizer"])
+    scheduler.load_state_dict(opt["scheduler"])
+    rng = torch.load(path / "rng.pt", weights_only=True)
+    py = rng["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return json.loads((path / "state.json").read_text())
+
+
+# ---------------------------------------------------------------- distributed
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    owns_group: bool = False
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t)
+        return t
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+def _setup_dist(device_opt: str) -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_opt == "auto":
+        device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        device = torch.device(device_opt)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device(f"cuda:{local}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    owns = False
+    if world > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+            owns = True
+    return Dist(rank, world, local, device, owns)
+
+
+# ---------------------------------------------------------------- the loop
+
+def _lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    def f(step: int) -> float:  # step = index of the optimizer step about to run
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _truncate_metrics(path: Path, keep_through_step: int) -> None:
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= keep_through_step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a torn last line from a killed run
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(s + "\n" for s in kept))
+    os.replace(tmp, path)
+
+
+class _StopFlag:
+    """SIGTERM/SIGINT -> finish the current step, checkpoint, raise Interrupted."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopFlag":
+        if _in_main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.signum = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+class _Trainer:
+    def __init__(self, cfg, campaign: Campaign, features_fn: FeaturesFn | None, dist: Dist):
+        from safetensors.torch import load_file
+
+        from ..models import resolve_model_dir
+
+        self.cfg, self.tc, self.campaign, self.features_fn, self.dist = cfg, cfg.train, campaign, features_fn, dist
+        tc = self.tc
+        self.seed = tc.seed if tc.seed is not None else cfg.campaign.seed
+        self.dir = campaign.phase_dir("train")
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.device = dist.device
+        self.cuda = self.device.type == "cuda"
+        feat_dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.feat_dtype = feat_dtype
+
+        vocab_path = campaign.root / "build" / "vocab.safetensors"
+        if not vocab_path.is_file():
+            raise InputError(f"{vocab_path} not found: run `specops build` first")
+        vocab = load_file(str(vocab_path))
+        d2t = vocab["d2t"].long()
+        if tc.draft_vocab_size is not None and tc.draft_vocab_size != d2t.numel():
+            raise ConfigError(f"train.draft_vocab_size: {tc.draft_vocab_size} but build/vocab.safetensors has "
+                              f"{d2t.numel()} draft ids; rebuild or drop the setting")
+
+        self.model_dir = resolve_model_dir(cfg.target.model)
+        # data
+        if tc.mode == "offline":
+            fdir = campaign.root / "features"
+            self.train_split = FeatureSplit(fdir / "train", max_seq_len=tc.max_seq_len, out_dtype=feat_dtype)
+            val_dir = fdir / "val"
+            self.val_split = (FeatureSplit(val_dir, max_seq_len=tc.max_seq_len, out_dtype=feat_dtype)
+                              if (val_dir / "index.json").is_file() else None)
+            aux_ids, final_prenorm = self.train_split.aux_layer_ids, self.train_split.final_prenorm
+            self.inputs = {"features": str(fdir)}
+        else:
+            if features_fn is None:
+                extract_ids = getattr(getattr(cfg, "extract", None), "aux_layer_ids", None)
+                features_fn = self.features_fn = target_features_fn(self.model_dir, self.device, extract_ids)
+            bdir = campaign.root / "build"
+            self.train_split = TokenSplit(bdir / "train.safetensors", max_seq_len=tc.max_seq_len)
+            vp = bdir / "val.safetensors"
+            self.val_split = TokenSplit(vp, max_seq_len=tc.max_seq_len) if vp.is_file() else None
+            aux_ids = getattr(features_fn, "aux_layer_ids", None) or getattr(getattr(cfg, "extract", None),
+                                                                             "aux_layer_ids", None)
+            final_prenorm = True
+            self.inputs = {"build": str(bdir)}
+        if self.val_split is not None and len(self.val_split) == 0:
+            self.val_split = None
+        if len(self.train_split) == 0:
+            raise InputError("the train split has no usable sample (each needs >= 3 tokens and a trainable token)")
+
+        # target head -> drafter + teacher
+        head = load_target_head(self.model_dir)
+        if aux_ids is None:
+            aux_ids = default_aux_layer_ids(int(head.config["num_hidden_layers"]))
+        self.dcfg = DrafterConfig.from_target(head.config, d2t.numel(), aux_ids,
+                                              norm_before_residual=tc.norm_before_residual)
+        if tc.mode == "offline" and self.train_split.hidden_size != self.dcfg.target_hidden_size:
+            raise InputError(f"features hidden_size {self.train_split.hidden_size} != target hidden_size "
+                             f"{self.dcfg.target_hidden_size}: features from another model?")
+        if vocab["t2d"].numel() != self.dcfg.target_vocab_size:
+            raise InputError(f"build/vocab.safetensors t2d covers {vocab['t2d'].numel()} ids, the target has "
+                             f"{self.dcfg.target_vocab_size}")
+        torch.manual_seed(self.seed)
+        random.seed(self.seed)
+        self.drafter = Eagle3Drafter(self.dcfg)
+        self.drafter.init_from_target(head.embed, head.lm_head, d2t, freeze_embeddings=tc.freeze_embeddings)
+        if not torch.equal(self.drafter.t2d, vocab["t2d"].bool()):
+            raise InputError("build/vocab.safetensors: t2d does not match d2t")
+        self.drafter.to(self.device)
+        self.teacher = Teacher(head, d2t, final_prenorm=final_prenorm, device=self.device,
+                               dtype=torch.bfloat16 if self.cuda else torch.float32)
+        del head
+
+        self.module = TTTModule(self.drafter, tc.ttt_steps, tc.loss_decay)
+        if dist.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            # device_ids=None: inputs are already on this rank's device (a Batch is moved by load_batch).
+            self.model = DDP(self.module, device_ids=None, broadcast_buffers=False)
+        else:
+            self.model = self.module
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        self.params = params
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=tc.lr, betas=(0.9, 0.95), fused=self.cuda or None,
+        )
+        self.per_step = dist.world * tc.grad_accum  # micro-batches per optimizer step, all ranks
+        n0 = len(make_batches(self.train_split.lengths, tc.batch_tokens, seed=self.seed, epoch=0))
+        self.steps_per_epoch = n0 // self.per_step
+        if self.steps_per_epoch == 0:
+            raise InputError(f"train split gives {n0} batches of {tc.batch_tokens} tokens, fewer than "
+                             f"world_size × grad_accum = {self.per_step}; lower train.batch_tokens")
+        self.total_steps = tc.total_steps or tc.epochs * self.steps_per_epoch
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _lr_lambda(tc.warmup_steps, self.total_steps, tc.min_lr_ratio))
+        self._batches: tuple[int, list[list[int]]] | None = None
+        self.val_batches = (make_batches(self.val_split.lengths, tc.batch_tokens, seed=None)
+                            if self.val_split is not None else [])
+
+    # -------------------------------------------------------------- helpers
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        if self._batches is None or self._batches[0] != epoch:
+            self._batches = (epoch, make_batches(self.train_split.lengths, self.tc.batch_tokens,
+                                                 seed=self.seed, epoch=epoch))
+        return self._batches[1]
+
+    def load_batch(self, split, idxs: list[int]) -> Batch:
+        samples = [split.get(i) for i in idxs]
+        if self.features_fn is not None and samples[0].aux is None:
+            _attach_features(samples, self.features_fn, self.feat_dtype)
+        return collate([[s] for s in samples]).to(self.device)
+
+    def write_metrics(self, row: dict[str, Any]) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def heartbeat(self, step: int, state: str, tokens_per_s: float | None) -> None:
+        now = time.time()
+        atomic_write_json(self.campaign.heartbeat_path, {
+            "pid": os.getpid(), "phase": "train", "state": state, "ts": now, "iso": now_iso(),
+            "started": self.started, "step": step, "total_steps": self.total_steps,
+            "window": {"tokens_per_s": tokens_per_s},
+        }, fsync=False)
+
+    # -------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any] | None:
+        if not self.val_batches:
+            return None
+        K = self.tc.ttt_steps
+        acc = torch.zeros(3, K, dtype=torch.float64, device=self.device)  # ce_sum, correct, count
+        self.module.eval()
+        for i in range(self.dist.rank, len(self.val_batches), self.dist.world):
+            batch = self.load_batch(self.val_split, self.val_batches[i])
+            with self.autocast():
+                out = self.module(batch, teacher_targets(self.teacher, batch))
+            acc += torch.stack([out.ce_sum.double(), out.correct.double(), out.count.double()])
+        self.module.train()
+        self.dist.all_sum(acc)
+        ce, correct, count = acc.cpu().tolist()
+        per_acc = [c / n if n else 0.0 for c, n in zip(correct, count)]
+        return {
+            "loss": sum(self.tc.loss_decay ** k * (ce[k] / count[k] if count[k] else 0.0) for k in range(K)),
+            "step_loss": [c / n if n else None for c, n in zip(ce, count)],
+            "acc": per_acc,
+            "tau": simulated_tau(per_acc),
+            "positions": [int(n) for n in count],
+        }
+
+    # -------------------------------------------------------------- train
+    def run(self, max_steps: int | None) -> dict[str, Any]:
+        tc, dist = self.tc, self.dist
+        K = tc.ttt_steps
+        rank0 = dist.rank == 0
+        self.started = time.time()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        step, epoch, micro_in_epoch, tokens_seen = 0, 0, 0, 0
+        resumed_from = None
+        ck = latest_checkpoint(self.dir)
+        if ck is not None:
+            st = _load_checkpoint(ck, self.drafter, self.optimizer, self.scheduler)
+            step, epoch, micro_in_epoch = st["step"], st["epoch"], st["micro_batches_in_epoch"]
+            tokens_seen = st.get("tokens_seen", 0)
+            resumed_from = step
+            if st.get("seed") != self.seed or st.get("batch_tokens") != tc.batch_tokens:
+                log.warning("resuming %s with a different seed/batch_tokens: the data order changes from here", ck)
+            log.info("resumed from %s (epoch %d, micro-batch %d)", ck, epoch, micro_in_epoch)
+        if rank0:
+            _truncate_metrics(self.metrics_path, step)  # one loss curve: drop rows past the checkpoint
+            root = checkpoints_dir(self.dir)
+            if root.is_dir():
+                for p in root.glob(".step-*.tmp-*"):  # a checkpoint torn by a kill
+                    shutil.rmtree(p, ignore_errors=True)
+            self.write_manifest(state="running", resumed_from=resumed_from)
+        dist.barrier()
+        stop_at = self.total_steps if max_steps is None else min(self.total_steps, max_steps)
+        log.info("train: %d drafter params (%d trainable), %d samples, %d steps/epoch, steps %d -> %d of %d on %s×%d",
+                 count_parameters(self.drafter), count_parameters(self.drafter, True), len(self.train_split),
+                 self.steps_per_epoch, step, stop_at, self.total_steps, self.device, dist.world)
+
+        window = torch.zeros(2 + 3 * K, dtype=torch.float64, device=self.device)  # loss, tokens, ce/correct/count
+        win_steps, win_t0 = 0, time.time()
+        last_ckpt = step if resumed_from is not None else None
+        val = None
+        with _StopFlag() as stop:
+            while step < stop_at:
+                batches = self.epoch_batches(epoch)
+                first = micro_in_epoch
+                if first + self.per_step > len(batches):
+                    epoch, micro_in_epoch = epoch + 1, 0
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                step_tokens = 0
+                for m in range(tc.grad_accum):
+                    idxs = batches[first + m * dist.world + dist.rank]
+                    batch = self.load_batch(self.train_split, idxs)
+                    targets = teacher_targets(self.teacher, batch)
+                    sync = m == tc.grad_accum - 1 or dist.world == 1
+                    ctx = contextlib.nullcontext() if sync else self.model.no_sync()
+                    with ctx:
+                        with self.autocast():
+                            out = self.model(batch, targets)
+                        (out.loss / tc.grad_accum).backward()
+                    window[0] += out.loss.detach().double()
+                    window[1] += batch.n_tokens
+                    step_tokens += batch.n_tokens
+                    window[2:] += torch.cat([out.ce_sum.double(), out.correct.double(), out.count.double()])
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, tc.max_grad_norm)
+                lr = self.optimizer.param_groups[0]["lr"]
+                self.optimizer.step()
+                self.scheduler.step()
+                step += 1
+                micro_in_epoch += self.per_step
+                win_steps += 1
+                # One small all-reduce per step: token count, and whether any rank got SIGTERM/SIGINT.
+                flags = dist.all_sum(torch.tensor([step_tokens, float(stop.signum is not None)],
+                                                  dtype=torch.float64, device=self.device)).tolist()
+                tokens_seen += int(flags[0])
+                stopping = flags[1] > 0
+
+                if step % tc.log_every == 0 or step == stop_at:
+                    w = dist.all_sum(window.clone()).cpu().tolist()
+                    dt = max(time.time() - win_t0, 1e-9)
+                    ce, cor, cnt = w[2:2 + K], w[2 + K:2 + 2 * K], w[2 + 2 * K:]
+                    row = {
+                        "step": step, "split": "train", "epoch": epoch,
+                        "loss": w[0] / (win_steps * self.per_step),
+                        "step_loss": [c / n if n else None for c, n in zip(ce, cnt)],
+                        "acc": [c / n if n else 0.0 for c, n in zip(cor, cnt)],
+                        "lr": lr, "grad_norm": float(grad_norm),
+                        "tokens": tokens_seen, "tokens_per_s": w[1] / dt, "time": now_iso(),
+                    }
+                    if rank0:
+                        self.write_metrics(row)
+                        self.heartbeat(step, "running", row["tokens_per_s"])
+                        log.info("step %d/%d loss %.4f acc0 %.3f lr %.2e %.0f tok/s", step, self.total_steps,
+                                 row["loss"], row["acc"][0], lr, row["tokens_per_s"])
+                    window.zero_()
+                    win_steps, win_t0 = 0, time.time()
+
+                if step % tc.eval_every == 0 or step == self.total_steps:
+                    val = self.evaluate()
+                    if val is not None and rank0:
+                        self.write_metrics({"step": step, "split": "val", **val, "time": now_iso()})
+                        log.info("val step %d: loss %.4f tau %.3f acc %s", step, val["loss"], val["tau"],
+                                 " ".join(f"{a:.3f}" for a in val["acc"]))
+
+                if step % tc.checkpoint_every == 0 or step == stop_at or stopping:
+                    self.checkpoint(step, epoch, micro_in_epoch, tokens_seen)
+                    last_ckpt = step
+                if stopping:
+                    if rank0:
+                        self.write_manifest(state="interrupted", resumed_from=resumed_from)
+                    raise Interrupted(f"train stopped by signal {stop.signum} at step {step}; rerun to resume")
+        if last_ckpt != step and step > 0:  # nothing left to run: make sure the final state is saved
+            self.checkpoint(step, epoch, micro_in_epoch, tokens_seen)
+        summary = {
+            "step": step,
+            "total_steps": self.total_steps,
+            "finished": step >= self.total_steps,
+            "resumed_from": resumed_from,
+            "checkpoint": str(latest_checkpoint(self.dir)),
+            "val": val if val is not None else self._last_val(),
+            "tokens_seen": tokens_seen,
+            "elapsed_s": round(time.time() - self.started, 3),
+        }
+        if rank0:
+            self.write_manifest(state="done" if summary["finished"] else "partial", resumed_from=resumed_from,
+                                summary=summary)
+            self.heartbeat(step, "finished" if summary["finished"] else "stopped", None)
+        return summary
+
+    def _last_val(self) -> dict[str, Any] | None:
+        last = None
+        if self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    row = json.loads(line)
+                    if row.get("split") == "val":
+                        last = row
+        return last
+
+    def checkpoint(self, step: int, epoch: int, micro_in_epoch: int, tokens_seen: int) -> None:
+        if self.dist.rank == 0:
+            with open(self.metrics_path, "a") as f:
+                f.flush()
+                os.fsync(f.fileno())
+            state = {
+                "epoch": epoch, "micro_batches_in_epoch": micro_in_epoch, "shuffle_seed": self.seed,
+                "seed": self.seed, "world_size": self.dist.world, "grad_accum": self.tc.grad_accum,
+                "batch_tokens": self.tc.batch_tokens, "total_steps": self.total_steps, "tokens_seen": tokens_seen,
+            }
+            path = save_checkpoint(self.dir, step, self.drafter, self.optimizer, self.scheduler, state,
+                                   self.tc.keep_checkpoints)
+            log.info("checkpoint %s", path)
+        self.dist.barrier()
+
+    def write_manifest(self, *, state: str, resumed_from: int | None, summary: dict | None = None) -> None:
+        import transformers
+
+        from .. import __version__
+
+        path = self.dir / "manifest.json"
+        m = read_json(path, {}) or {}
+        m["train"] = {
+            "state": state,
+            "updated": now_iso(),
+            "inputs": {**self.inputs, "target_model": str(self.model_dir),
+                       "vocab": str(self.campaign.root / "build" / "vocab.safetensors")},
+            "drafter_config": self.dcfg.to_dict(),
+            "train_config": dataclasses.asdict(self.tc),
+            "seed": self.seed,
+            "versions": {"specops": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
+            "counts": {"train_samples": len(self.train_split), "train_skipped": self.train_split.skipped,
+                       "val_samples": len(self.val_split) if self.val_split else 0,
+                       "train_tokens": sum(self.train_split.lengths), "steps_per_epoch": self.steps_per_epoch,
+                       "total_steps": self.total_steps, "world_size": self.dist.world},
+            "conventions": {
+                "aux_layer_ids": self.dcfg.aux_layer_ids,
+                "aux_layer_convention": "input-to-layer (= HF hidden_states index)",
+                "final": "pre-norm; teacher = target lm_head(target norm(final)) restricted to the draft vocab",
+                "alignment": "step k, slot t: token x[t+1+k], position t+k, hidden fc(aux[t]) (k=0) or the "
+                             "drafter's step k-1 output; predicts x[t+2+k] (teacher from final[t+1+k])",
+                "ttt_attention": "step-0 keys causal within the document + the diagonal of steps 1..k",
+                "d2t": "target_id = i + d2t[i]",
+                "ttt_steps": self.tc.ttt_steps, "loss_decay": self.tc.loss_decay,
+            },
+            "resumed_from": resumed_from,
+            "checkpoints": [str(p) for _, p in list_checkpoints(self.dir)],
+            "metrics": str(self.metrics_path),
+        }
+        if summary is not None:
+            m["train"]["summary"] = summary
+        atomic_write_json(path, m)
+
+
+def run_train(cfg, campaign: Campaign, *, features_fn: FeaturesFn | None = None, max_steps: int | None = None,
+              lock: bool = True) -> dict[str, Any]:
+    """Train (or resume) the drafter of `campaign`. Returns the summary (step, val tau, checkpoint).
+
+    Under torchrun (WORLD_SIZE > 1) every rank calls this; rank 0 takes the campaign lock, writes
+    checkpoints, metrics and the manifest. `max_steps` stops early without changing the schedule
+    (a later run continues the same curve). `lock=False` when the caller already holds the lock.
+    """
+    dist = _setup_dist(cfg.train.device)
+    rank0 = dist.rank == 0
+    lockctx = RunLock(campaign, "train") if (rank0 and lock) else contextlib.nullcontext()
+    try:
+        with lockctx:
+            if rank0:
+                campaign.set_phase("train", "running", pid=os.getpid(), world_size=dist.world)
+            try:
+                summary = _Trainer(cfg, campaign, features_fn, dist).run(max_steps)
+            except Interrupted as e:
+                if rank0:
+                    campaign.set_phase("train", "pending", interrupted_reason=str(e))
+                raise
+            except BaseException as e:
+                if rank0:
+                    campaign.set_phase("train", "failed", error=f"{type(e).__name__}: {e}")
+                raise
+            if rank0:
+                val = summary.get("val") or {}
+                campaign.set_phase("train", "done" if summary["finished"] else "pending", step=summary["step"],
+                                   total_steps=summary["total_steps"], tau=val.get("tau"),
+                                   checkpoint=summary["checkpoint"])
+            return summary
+    finally:
+        if dist.owns_group:
+            import torch.distributed as tdist
+
+            tdist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..config import load_config
+    from ..errors import SpecopsError
+
+    ap = argparse.ArgumentParser(prog="python -m specops.drafter.train", description=__doc__.split("\n")[0])
+    ap.add_argument("campaign", help="campaign directory (holds campaign.toml)")
+    ap.add_argument("--max-steps", type=int, default=None, help="stop after this optimizer step (resumable)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        camp = Campaign(args.campaign)
+        cfg = load_config(camp.config_path)
+        summary = run_train(cfg, camp, max_steps=args.max_steps)
+    except SpecopsError as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return e.exit_code
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,519 @@
+"""Drafter training: TTT masks and alignment against a step-by-step reference, the teacher against
+the real target, loss falls, overfit tau, kill -9 + resume replays the same curve, DDP == accumulation.
+
+Every test builds a tiny random LlamaForCausalLM, saves it, and writes feature shards in the
+DESIGN format from its own `output_hidden_states` (no extract.py, no hub).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specops.campaign import Campaign
+from specops.config import load_config
+from specops.drafter.model import DrafterConfig, Eagle3Drafter
+from specops.drafter.train import (
+    Batch,
+    FeatureSplit,
+    TargetHead,
+    Teacher,
+    load_drafter,
+    load_target_head,
+    make_batches,
+    run_train,
+    simulated_tau,
+    teacher_targets,
+    soft_cross_entropy,
+    ttt_forward,
+    ttt_masks,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB, DRAFT_VOCAB = 128, 80
+
+
+# ---------------------------------------------------------------- fixtures: a tiny target and its features
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: one intra-op thread is ~10x faster than two busy-waiting ones on a shared box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_target(path: Path, *, sharp: float = 30.0, tied: bool = False) -> Path:
+    """A 6-layer random Llama with a sharpened lm_head (peaked next-token distributions)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1234)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=tied, rms_norm_eps=1e-5)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharp)
+        model.model.norm.weight.uniform_(0.5, 1.5)  # a norm that matters for the teacher
+    model.save_pretrained(path)
+    return path
+
+
+def load_target(path: Path):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def target_states(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """aux [n, 3, H] (input-to-layer [2, L//2, L-3] = HF hidden_states index), final [n, H] pre-norm, logits."""
+    cap = {}
+    hook = model.model.norm.register_forward_hook(lambda mod, inp, out: cap.update(pre=inp[0].clone()))
+    out = model(ids[None], output_hidden_states=True)
+    hook.remove()
+    L = model.config.num_hidden_layers
+    aux = torch.stack([out.hidden_states[i][0] for i in (2, L // 2, L - 3)], dim=1)
+    return aux, cap["pre"][0], out.logits[0]
+
+
+@torch.no_grad()
+def greedy_sequences(model, n: int, *, seed: int, prompt_len=(3, 7), gen_len=(18, 30)) -> list:
+    """(input_ids, loss_mask): a random prompt, then the target's own greedy continuation (mask 1)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        p = int(torch.randint(*prompt_len, (1,), generator=g))
+        m = int(torch.randint(*gen_len, (1,), generator=g))
+        ids = torch.randint(0, VOCAB, (p,), generator=g)
+        for _ in range(m):
+            nxt = model(ids[None]).logits[0, -1].argmax()
+            ids = torch.cat([ids, nxt[None]])
+        out.append((ids, torch.cat([torch.zeros(p, dtype=torch.uint8), torch.ones(m, dtype=torch.uint8)])))
+    return out
+
+
+def write_features(model, seqs, split_dir: Path, *, dtype: str = "bfloat16", per_shard: int = 5) -> None:
+    """features/<split>/ exactly as DESIGN fixes it (shards + index.json, written last)."""
+    split_dir.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for k, a in enumerate(range(0, len(seqs), per_shard)):
+        part = seqs[a:a + per_shard]
+        auxs, finals = zip(*[target_states(model, ids)[:2] for ids, _ in part])
+        aux, final = torch.cat(auxs), torch.cat(finals)
+        t = {
+            "input_ids": torch.cat([ids for ids, _ in part]).to(torch.int32),
+            "loss_mask": torch.cat([m for _, m in part]),
+            "offsets": torch.tensor([0] + [len(ids) for ids, _ in part]).cumsum(0),
+            "sample_index": torch.arange(a, a + len(part)),
+        }
+        if dtype == "float8_e4m3fn":
+            t["aux_scale"] = aux.abs().amax(-1).clamp_min(1e-12) / 448
+            t["final_scale"] = final.abs().amax(-1).clamp_min(1e-12) / 448
+            t["aux"] = (aux / t["aux_scale"][..., None]).to(torch.float8_e4m3fn)
+            t["final"] = (final / t["final_scale"][..., None]).to(torch.float8_e4m3fn)
+        else:
+            t["aux"], t["final"] = aux.to(torch.bfloat16), final.to(torch.bfloat16)
+        name = f"shard-0-{k}.safetensors"
+        save_file(t, str(split_dir / name))
+        shards.append({"name": name, "n_samples": len(part), "n_tokens": int(t["input_ids"].numel()),
+                       "sha256": hashlib.sha256((split_dir / name).read_bytes()).hexdigest()})
+    L = model.config.num_hidden_layers
+    (split_dir / "index.json").write_text(json.dumps({
+        "format": "specops-features-v1", "aux_layer_ids": [2, L // 2, L - 3],
+        "aux_layer_convention": "input-to-layer (= HF hidden_states index)", "final": "pre-norm",
+        "hidden_size": model.config.hidden_size, "num_hidden_layers": L, "dtype": dtype,
+        "split": split_dir.name, "shards": shards, "complete": True}))
+
+
+def write_build(seqs_by_split: dict, build: Path) -> None:
+    build.mkdir(parents=True, exist_ok=True)
+    counts = torch.zeros(VOCAB, dtype=torch.long)
+    for ids, m in seqs_by_split["train"]:
+        counts += torch.bincount(ids[m.bool()], minlength=VOCAB)
+    ids = torch.sort(torch.argsort(counts, descending=True, stable=True)[:DRAFT_VOCAB]).values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[ids] = True
+    save_file({"d2t": ids - torch.arange(DRAFT_VOCAB), "t2d": t2d}, str(build / "vocab.safetensors"))
+    for split, seqs in seqs_by_split.items():
+        save_file({"input_ids": torch.cat([i for i, _ in seqs]).to(torch.int32),
+                   "loss_mask": torch.cat([m for _, m in seqs]),
+                   "offsets": torch.tensor([0] + [len(i) for i, _ in seqs]).cumsum(0)},
+                  str(build / f"{split}.safetensors"))
+
+
+def make_campaign(root: Path, target: Path, train: dict, *, name: str = "c") -> Path:
+    """campaign.toml + directory; returns the campaign dir."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "prompts.jsonl").write_text('{"id": "a", "prompt": "hi"}\n')
+    camp = root / name
+    lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in train.items())
+    cfg = root / f"{name}.toml"
+    cfg.write_text(f'[campaign]\nname = "{name}"\ndir = "{camp}"\n[target]\nmodel = "{target}"\n'
+                   f'[train]\n{lines}\n[[datasets]]\nname = "ds"\npath = "{root / "prompts.jsonl"}"\n')
+    Campaign.create_or_open(load_config(cfg))
+    return camp
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A saved tiny target, its greedy sequences, and a features/ + build/ pair to copy into campaigns."""
+    root = tmp_path_factory.mktemp("tiny")
+    target_dir = make_target(root / "target")
+    model = load_target(target_dir)
+    train = greedy_sequences(model, 12, seed=1)
+    val = greedy_sequences(model, 4, seed=2)
+    data = root / "data"
+    write_features(model, train, data / "features" / "train")
+    write_features(model, val, data / "features" / "val")
+    write_build({"train": train, "val": val}, data / "build")
+    return {"target": target_dir, "model": model, "train": train, "val": val, "data": data}
+
+
+def seed_campaign(tiny, root: Path, train_cfg: dict, name: str = "c", parts=("features", "build")) -> Campaign:
+    camp = make_campaign(root, tiny["target"], train_cfg, name=name)
+    for p in parts:
+        shutil.copytree(tiny["data"] / p, camp / p)
+    return Campaign(camp)
+
+
+def metrics(camp: Path, split: str = "train") -> list[dict]:
+    rows = [json.loads(line) for line in (Path(camp) / "drafter" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == split]
+
+
+# ---------------------------------------------------------------- TTT against a step-by-step reference
+
+def test_ttt_mask_pattern():
+    # one row: document 0 = slots 0..2, document 1 = slots 3..4, padding at 5
+    doc = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    m0, m1, m2 = (m[0, 0].int() for m in ttt_masks(doc, 3))
+    assert m0.tolist() == [[1, 0, 0, 0, 0, 0],
+                           [1, 1, 0, 0, 0, 0],
+                           [1, 1, 1, 0, 0, 0],
+                           [0, 0, 0, 1, 0, 0],
+                           [0, 0, 0, 1, 1, 0],
+                           [0, 0, 0, 0, 0, 1]]
+    eye = torch.eye(6, dtype=torch.int)
+    assert torch.equal(m1, torch.cat([m0, eye], 1))
+    assert torch.equal(m2, torch.cat([m0, eye, eye], 1))
+
+
+def _packed_batch(H=32, seed=0):
+    """Two rows: [doc 7 | doc 5] and [doc 9 | 3 padding]; random aux/final/loss_mask."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [[7, 5], [9]]
+    T = 12
+    B = len(rows)
+    ids = torch.randint(0, 96, (B, T), generator=g)
+    lm = torch.rand(B, T, generator=g) > 0.3
+    doc = torch.full((B, T), -1)
+    pos = torch.zeros(B, T, dtype=torch.long)
+    end = torch.zeros(B, T, dtype=torch.long)
+    for r, lens in enumerate(rows):
+        a = 0
+        for d, n in enumerate(lens):
+            doc[r, a:a + n], pos[r, a:a + n], end[r, a:a + n] = d, torch.arange(n), a + n
+            a += n
+    aux = torch.randn(B, T, 3, H, generator=g)
+    final = torch.randn(B, T, H, generator=g)
+    return Batch(ids, lm, doc, pos, end, aux, final, int((doc >= 0).sum())), rows
+
+
+def _reference(drafter, teacher, batch, rows, K, decay):
+    """Run each document alone, one position at a time, with an explicit KV list per step."""
+    per_step_ce = [[] for _ in range(K)]
+    correct = [0] * K
+    logits_at = {}  # (k, row, slot) -> logits
+    for r, lens in enumerate(rows):
+        a = 0
+        for n in lens:
+            x = batch.input_ids[r, a:a + n]
+            lm = batch.loss_mask[r, a:a + n]
+            fused = drafter.fuse(batch.aux[r, a:a + n])
+            t_logits = teacher.logits(batch.final[r, a:a + n])  # [n, Vd]: distribution after x_j
+            kv = [[None] * n for _ in range(K)]
+            h_prev = [None] * n
+            for k in range(K):
+                h_cur = [None] * n
+                for t in range(n):
+                    tok = x[t + 1 + k] if t + 1 + k < n else torch.tensor(0)
+                    hid = fused[t] if k == 0 else h_prev[t]
+                    # keys visible: step 0 at slots 0..t (slot t's own step-0 key when k > 0), then
+                    # slot t's key of each step 1..k-1; the current step's own key is appended by forward
+                    past = [kv[0][s] for s in range(t if k == 0 else t + 1)] + [kv[j][t] for j in range(1, k)]
+                    out = drafter(tok.view(1, 1), hid.view(1, 1, -1), torch.tensor([[t + k]]), past_kv=past)
+                    kv[k][t] = out.kv
+                    h_cur[t] = out.hidden[0, 0]
+                    logits_at[(k, r, a + t)] = out.logits[0, 0]
+                    if t + 2 + k <= n - 1 and lm[t + 2 + k]:
+                        p = torch.softmax(t_logits[t + 1 + k], -1)
+                        per_step_ce[k].append(-(p * torch.log_softmax(out.logits[0, 0], -1)).sum())
+                        correct[k] += int(out.logits[0, 0].argmax() == t_logits[t + 1 + k].argmax())
+                h_prev = h_cur
+            a += n
+    loss = sum(decay ** k * torch.stack(c).mean() for k, c in enumerate(per_step_ce))
+    return loss, [torch.stack(c).sum() for c in per_step_ce], [len(c) for c in per_step_ce], correct, logits_at
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_ttt_matches_step_by_step_reference(norm_before_residual):
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(DrafterConfig.debug(norm_before_residual=norm_before_residual))
+    ids = torch.sort(torch.randperm(96)[:48]).values
+    drafter.set_vocab(ids - torch.arange(48))
+    head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
+    teacher = Teacher(head, drafter.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=torch.float32)
+    batch, rows = _packed_batch()
+    K, decay = 4, 0.8
+    out = ttt_forward(drafter, batch, teacher_targets(teacher, batch), steps=K, decay=decay, return_logits=True)
+    ref_loss, ref_ce, ref_n, ref_correct, ref_logits = _reference(drafter, teacher, batch, rows, K, decay)
+
+    torch.testing.assert_close(out.loss, ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.ce_sum, torch.stack(ref_ce), rtol=1e-5, atol=1e-5)
+    assert out.count.tolist() == ref_n and min(ref_n) > 0
+    assert out.correct.tolist() == ref_correct
+    # logits wherever step k's input token is still inside the document (elsewhere the batched
+    # version sees the next document's token, the reference a 0; neither is ever counted)
+    compared = 0
+    for (k, r, s), ref in ref_logits.items():
+        if s + 1 + k < int(batch.doc_end[r, s]):
+            torch.testing.assert_close(out.logits[k][r, s], ref, rtol=1e-5, atol=1e-5)
+            compared += 1
+    assert compared > 40
+    # gradients flow through the unrolled hidden states into fc (step 0) and lm_head
+    out.loss.backward()
+    assert drafter.fc.weight.grad.abs().sum() > 0
+
+
+def test_soft_cross_entropy_value_and_gradient():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 10, dtype=torch.float64, requires_grad=True)
+    p_all = torch.softmax(torch.randn(4, 10, dtype=torch.float64), -1)
+    rows = torch.tensor([0, 3, 3, 1, 2, 0])
+    w = torch.randn(6, dtype=torch.float64)
+    (soft_cross_entropy(logits, p_all, rows) * w).sum().backward()
+    ref = logits.detach().clone().requires_grad_(True)
+    ce_ref = -(p_all[rows] * torch.log_softmax(ref, -1)).sum(-1)
+    (ce_ref * w).sum().backward()
+    torch.testing.assert_close(soft_cross_entropy(logits, p_all, rows), ce_ref)
+    torch.testing.assert_close(logits.grad, ref.grad)
+
+
+def test_teacher_equals_target_logits_on_draft_vocab(tiny, tmp_path):
+    """Only norm + lm_head are read from the saved target; they reproduce its own logits."""
+    model = tiny["model"]
+    head = load_target_head(tiny["target"])
+    assert head.embed.shape == (VOCAB, 64) and head.lm_head.shape == (VOCAB, 64)
+    ids = torch.sort(torch.randperm(VOCAB)[:DRAFT_VOCAB]).values
+    teacher = Teacher(head, ids - torch.arange(DRAFT_VOCAB), final_prenorm=True, device=torch.device("cpu"),
+                      dtype=torch.float32)
+    seq = tiny["train"][0][0]
+    _, final, logits = target_states(model, seq)
+    torch.testing.assert_close(teacher.logits(final), logits[:, ids], rtol=1e-5, atol=1e-4)
+    # tied embeddings: lm_head falls back to embed_tokens
+    tied = load_target_head(make_target(tmp_path / "tied", tied=True))
+    assert torch.equal(tied.lm_head, tied.embed)
+
+
+def test_feature_shards_bf16_and_fp8_read_back(tiny, tmp_path):
+    model = tiny["model"]
+    seqs = tiny["val"]
+    write_features(model, seqs, tmp_path / "fp8", dtype="float8_e4m3fn", per_shard=3)
+    bf16 = FeatureSplit(tiny["data"] / "features" / "val")
+    fp8 = FeatureSplit(tmp_path / "fp8")
+    assert len(bf16) == len(fp8) == len(seqs) and bf16.lengths == [len(i) for i, _ in seqs]
+    for i in range(len(seqs)):
+        a, b = bf16.get(i), fp8.get(i)
+        aux, final, _ = target_states(model, seqs[i][0])
+        assert torch.equal(a.input_ids, seqs[i][0]) and torch.equal(b.loss_mask, seqs[i][1].bool())
+        torch.testing.assert_close(a.aux, aux, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(b.final, final, rtol=0.07, atol=0.07 * float(final.abs().max()))
+
+
+def test_make_batches_budget_and_determinism():
+    lengths = [5, 40, 12, 33, 7, 50, 21, 9, 64, 3] * 3
+    b1 = make_batches(lengths, 100, seed=3, epoch=0)
+    assert make_batches(lengths, 100, seed=3, epoch=0) == b1
+    assert make_batches(lengths, 100, seed=3, epoch=1) != b1
+    assert sorted(i for b in b1 for i in b) == list(range(len(lengths)))
+    assert all(len(b) * max(lengths[i] for i in b) <= 100 for b in b1)
+    assert simulated_tau([1.0, 1.0, 1.0]) == 4.0 and simulated_tau([0.5, 0.5]) == 1.75
+
+
+# ---------------------------------------------------------------- training runs
+
+BASE = {"ttt_steps": 3, "lr": 3e-3, "warmup_steps": 5, "log_every": 1, "max_grad_norm": 1.0, "seed": 7}
+
+
+def test_overfit_loss_falls_and_tau_near_k_plus_1(tiny, tmp_path):
+    """4 sequences, train == val: the drafter memorises them; simulated tau -> K + 1 = 4."""
+    cfg = {**BASE, "total_steps": 150, "batch_tokens": 256, "eval_every": 150, "checkpoint_every": 1000}
+    camp = make_campaign(tmp_path, tiny["target"], cfg)
+    model = tiny["model"]
+    four = tiny["train"][:4]
+    write_features(model, four, camp / "features" / "train")
+    write_features(model, four, camp / "features" / "val")
+    write_build({"train": four}, camp / "build")
+    c = Campaign(camp)
+    summary = run_train(load_config(camp.parent / "c.toml"), c)
+    rows = metrics(camp)
+    assert len(rows) == 150 and summary["finished"]
+    first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    val = metrics(camp, "val")[-1]
+    assert val["tau"] > 0.8 * (3 + 1), val
+    assert summary["val"]["tau"] == val["tau"]
+    m = c.read_manifest()["phases"]["train"]
+    assert m["state"] == "done" and m["tau"] == val["tau"]
+    drafter_manifest = json.loads((camp / "drafter" / "manifest.json").read_text())["train"]
+    assert drafter_manifest["conventions"]["aux_layer_ids"] == [2, 3, 3]
+    # the final checkpoint loads on its own and carries the campaign's vocab
+    ck = Path(summary["checkpoint"])
+    assert ck.name == "step-150"
+    d = load_drafter(ck)
+    vocab = load_file(str(camp / "build" / "vocab.safetensors"))
+    assert torch.equal(d.d2t, vocab["d2t"]) and torch.equal(d.t2d, vocab["t2d"])
+    assert torch.equal(d.embed_tokens.weight, load_target_head(tiny["target"]).embed)  # frozen
+
+
+def test_online_mode_with_features_fn_loss_falls(tiny, tmp_path):
+    """mode = online: build/ token data + a features_fn computing aux/final in process."""
+    cfg = {**BASE, "mode": "online", "total_steps": 30, "batch_tokens": 128, "eval_every": 30,
+           "checkpoint_every": 1000}
+    c = seed_campaign(tiny, tmp_path, cfg, parts=("build",))
+    model = tiny["model"]
+    calls = []
+
+    def features_fn(batch: list[torch.Tensor]) -> dict:
+        calls.append(len(batch))
+        aux, final = zip(*[target_states(model, ids)[:2] for ids in batch])
+        return {"aux": torch.cat(aux), "final": torch.cat(final)}
+
+    summary = run_train(load_config(c.root.parent / "c.toml"), c, features_fn=features_fn)
+    rows = metrics(c.root)
+    assert summary["finished"] and calls and not (c.root / "features").exists()
+    assert sum(r["loss"] for r in rows[-5:]) < 0.8 * sum(r["loss"] for r in rows[:5])
+    assert metrics(c.root, "val")[-1]["tau"] > 1.0
+
+
+def test_default_online_features_fn_is_the_target(tiny):
+    """run_train's default for mode = online: extract.py's target forward, unpadded per sample."""
+    from specops.drafter.train import target_features_fn
+
+    fn = target_features_fn(tiny["target"], torch.device("cpu"))
+    assert fn.aux_layer_ids == [2, 3, 3]
+    seqs = [ids for ids, _ in tiny["val"][:3]]
+    assert len({len(s) for s in seqs}) > 1  # right padding is exercised
+    out = fn(seqs)
+    for i, ids in enumerate(seqs):
+        aux, final, _ = target_states(tiny["model"], ids)
+        torch.testing.assert_close(out["aux"][i], aux, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out["final"][i], final, rtol=1e-5, atol=1e-5)
+
+
+RESUME = {**BASE, "total_steps": 100, "batch_tokens": 64, "grad_accum": 2, "checkpoint_every": 5,
+          "eval_every": 40, "keep_checkpoints": 3}
+
+
+def _train_proc(camp: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "specops.drafter.train", str(camp)],
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_for(p: subprocess.Popen, path: Path, log: Path) -> None:
+    deadline = time.time() + 120
+    while not path.is_dir():
+        assert p.poll() is None, log.read_text()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.002)
+
+
+def test_kill9_and_sigterm_then_resume_replay_the_same_loss_curve(tiny, tmp_path):
+    ref = seed_campaign(tiny, tmp_path, RESUME, name="ref")
+    run = seed_campaign(tiny, tmp_path, RESUME, name="run")
+    log = tmp_path / "run.log"
+    p = _train_proc(ref.root, tmp_path / "ref.log")
+    assert p.wait(timeout=120) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+    ckdir = run.root / "drafter" / "checkpoints"
+
+    # 1. SIGKILL right after the second checkpoint
+    p = _train_proc(run.root, log)
+    _wait_for(p, ckdir / "step-10", log)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    done = len(metrics(run.root))
+    assert 10 <= done < 100, f"the kill landed after the run ended ({done} steps logged)"
+    assert run.read_manifest()["phases"]["train"]["state"] == "running"  # a dead runner, as status sees it
+
+    # 2. resume, then SIGTERM: the step in flight finishes, is checkpointed, exit 130
+    p = _train_proc(run.root, log)
+    _wait_for(p, ckdir / "step-40", log)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 130, log.read_text()[-3000:]
+    assert re.search(r"resumed from .*step-(10|15|20)\b", log.read_text()), log.read_text()[-2000:]
+    stopped = metrics(run.root)[-1]["step"]
+    assert 40 <= stopped < 100 and (ckdir / f"step-{stopped}").is_dir()
+    phase = run.read_manifest()["phases"]["train"]
+    assert phase["state"] == "pending" and "rerun to resume" in phase["interrupted_reason"]
+
+    # 3. resume to the end
+    p = _train_proc(run.root, log)
+    assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
+    assert f"resumed from {ckdir / f'step-{stopped}'}" in log.read_text()
+
+    a, b = metrics(ref.root), metrics(run.root)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 101))
+    for ra, rb in zip(a, b):
+        assert ra["epoch"] == rb["epoch"] and ra["tokens"] == rb["tokens"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6, abs=1e-9), (ra["step"], ra["loss"], rb["loss"])
+    va, vb = metrics(ref.root, "val"), metrics(run.root, "val")
+    assert [r["step"] for r in va] == [r["step"] for r in vb] == [40, 80, 100]
+    assert vb[-1]["tau"] == pytest.approx(va[-1]["tau"], rel=1e-6)
+    wa = load_file(str(ref.root / "drafter" / "checkpoints" / "step-100" / "model.safetensors"))
+    wb = load_file(str(ckdir / "step-100" / "model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
+    assert sorted(p.name for p in ckdir.iterdir()) == ["step-100", "step-90", "step-95"]  # keep 3, no temp dirs
+    assert run.read_manifest()["phases"]["train"]["state"] == "done"
+
+
+def test_ddp_two_ranks_equals_one_rank_with_accumulation(tiny, tmp_path):
+    """torchrun --nproc-per-node 2 (gloo) with grad_accum 1 sees the same micro-batches per step as
+    one process with grad_accum 2; DDP's gradient mean == the accumulated mean."""
+    common = {**BASE, "total_steps": 8, "batch_tokens": 64, "checkpoint_every": 4, "eval_every": 8}
+    one = seed_campaign(tiny, tmp_path, {**common, "grad_accum": 2}, name="one")
+    two = seed_campaign(tiny, tmp_path, {**common, "grad_accum": 1}, name="two")
+    run_train(load_config(tmp_path / "one.toml"), one)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(29500 + os.getpid() % 1000), "-m", "specops.drafter.train",
+                        str(two.root)], capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 0, r.stderr[-4000:]
+    a, b = metrics(one.root), metrics(two.root)
+    assert len(a) == len(b) == 8
+    for ra, rb in zip(a, b):
+        assert ra["tokens"] == rb["tokens"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5), ra["step"]
+    assert metrics(two.root, "val")[-1]["tau"] == pytest.approx(metrics(one.root, "val")[-1]["tau"], rel=1e-4)
+    assert sorted(p.name for p in (two.root / "drafter" / "checkpoints").iterdir()) == ["step-4", "step-8"]
+
+
+def test_torch_load_is_weights_only():
+    src = (REPO / "src" / "specops" / "drafter" / "train.py").read_text()
+    calls = re.findall(r"torch\.load\(([^)]*)\)", src)
+    assert calls and all("weights_only=True" in c for c in calls)
