@@ -187,15 +187,56 @@ def _build_line(m: dict) -> str:
 def _cmd_extract(args: argparse.Namespace) -> int:
     """Target hidden states -> features/ (under torchrun: each rank its own shards)."""
     from . import extract
+
+    camp = _campaign_from_arg(args.campaign)
+    return extract.main([str(camp.root), "--split", args.split])
+
+
+def _campaign_from_arg(arg: str):
+    """A campaign.toml (its resolved config is copied into the campaign, so the phase started
+    from the campaign directory sees the current settings) or a campaign directory."""
     from .runctl import resolve_campaign_arg
 
-    camp = resolve_campaign_arg(args.campaign)
-    if args.campaign and args.campaign.endswith(".toml"):
+    if arg and arg.endswith(".toml"):
         from .campaign import Campaign
         from .config import load_config
 
-        Campaign.create_or_open(load_config(args.campaign))  # copy the config in if new
-    return extract.main([str(camp.root), "--split", args.split])
+        return Campaign.create_or_open(load_config(arg))
+    return resolve_campaign_arg(arg)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .drafter import train
+
+    camp = _campaign_from_arg(args.campaign)
+    argv = [str(camp.root)] + (["--max-steps", str(args.max_steps)] if args.max_steps else [])
+    return train.main(argv)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .drafter.export import check_export, run_export
+
+    if args.check:
+        rep = check_export(args.check, target_config=args.target)
+        if args.json:
+            print(json.dumps(rep.to_json(), indent=1))
+        else:
+            from rich.console import Console
+
+            Console().print(rep.render())
+        return 0 if rep.ok else 2
+    from .campaign import Campaign
+    from .config import load_config
+    from .errors import ConfigError
+
+    if not args.campaign:
+        raise ConfigError("export: give a campaign.toml (or --check DIR)")
+    cfg = load_config(args.campaign)
+    camp = Campaign.create_or_open(cfg)
+    formats = tuple(args.format.split(",")) if args.format else ("vllm", "speculators")
+    out = run_export(cfg, camp, checkpoint=args.checkpoint, formats=formats)
+    print(json.dumps(out, indent=1))
+    return 0
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
@@ -242,6 +283,20 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("campaign", help="campaign directory or its campaign.toml")
     ex.add_argument("--split", choices=("train", "val", "both"), default="both")
     ex.set_defaults(func=_cmd_extract)
+
+    tr = sub.add_parser("train", help="train the EAGLE-3 drafter (training-time test, resumable)")
+    tr.add_argument("campaign", help="campaign directory or its campaign.toml")
+    tr.add_argument("--max-steps", type=int, help="stop after this step (resumable; the schedule is unchanged)")
+    tr.set_defaults(func=_cmd_train)
+
+    xp = sub.add_parser("export", help="write drafters vLLM/SGLang and speculators load; --check validates any dir")
+    xp.add_argument("campaign", nargs="?", help="campaign.toml")
+    xp.add_argument("--checkpoint", help="a training checkpoint dir (default: the latest)")
+    xp.add_argument("--format", help="comma-separated: vllm,speculators (default both)")
+    xp.add_argument("--check", metavar="DIR", help="validate a drafter directory (ours or third-party)")
+    xp.add_argument("--target", help="target model dir or config.json, to range-check layer ids (--check)")
+    xp.add_argument("--json", action="store_true")
+    xp.set_defaults(func=_cmd_export)
 
     pf = sub.add_parser("preflight", help="can I start? every GPU, disk vs forecast, RAM, model files, ports")
     pf.add_argument("config", nargs="?", help="campaign.toml")

@@ -976,3 +976,42 @@ def _check_speculators_config(config: Mapping[str, Any]) -> list[CheckResult]:
                          f"[{{proposal_type, speculative_tokens}}], default_proposal_method, verifier "
                          f"{{name_or_path, architectures}}: missing {e!r}"))
     return out
+
+
+def run_export(cfg, campaign, *, checkpoint: str | Path | None = None, formats: tuple[str, ...] = ("vllm", "speculators"),
+               speculative_tokens: int | None = None) -> dict[str, Any]:
+    """The `export` phase: the latest training checkpoint (or `checkpoint`) -> drafter/export/<format>/.
+
+    Every export is validated before it lands (`check_export`), so an incomplete checkpoint is
+    refused rather than served.
+    """
+    from ..models import resolve_model_dir
+    from .train import latest_checkpoint, load_drafter
+
+    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(campaign.root / "drafter")
+    if ckpt is None or not (ckpt / "model.safetensors").is_file():
+        raise ExportError(f"no training checkpoint under {campaign.root / 'drafter'}; run `specops train` first")
+    drafter = load_drafter(ckpt)
+    dcfg = drafter.config.to_dict()
+    model_dir = resolve_model_dir(cfg.target.model)
+    target_config = json.loads((model_dir / "config.json").read_text())
+    k = speculative_tokens or cfg.train.ttt_steps
+    out: dict[str, Any] = {"checkpoint": str(ckpt), "exports": {}}
+    campaign.set_phase("export", "running")
+    try:
+        for fmt in formats:
+            dest = campaign.root / "drafter" / "export" / fmt
+            kw = dict(target_config=target_config, aux_layer_ids=list(dcfg["aux_layer_ids"]),
+                      target_name_or_path=str(cfg.target.served_name or cfg.target.model))
+            if fmt == "vllm":
+                path = export_vllm(drafter.state_dict(), dcfg, dest, **kw)
+            elif fmt == "speculators":
+                path = export_speculators(drafter.state_dict(), dcfg, dest, speculative_tokens=k, **kw)
+            else:
+                raise ExportError(f"unknown export format {fmt!r} (vllm, speculators)")
+            out["exports"][fmt] = str(path)
+    except BaseException as e:
+        campaign.set_phase("export", "failed", error=f"{type(e).__name__}: {e}")
+        raise
+    campaign.set_phase("export", "done", **out)
+    return out

@@ -1,0 +1,158 @@
+"""Benchmark `extract`: end-to-end feature extraction (forward + hooks + shard writes + sha256 +
+index) vs a bare forward with `output_hidden_states=True` over the same batches, same run.
+
+Target: a random-weight Llama built from a config on the device (8B-shaped by default: hidden 4096,
+32 layers, 32 heads / 8 KV heads, intermediate 14336, vocab 128256), bf16. Data: synthetic build
+split of `--samples` sequences with lengths uniform in [--min-len, --max-len]. Reports tokens/s of
+both, the ratio, and bytes per token on disk for bf16 and fp8.
+
+    python bench/extract_gpu.py [--tiny] [--samples 160] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from safetensors.torch import save_file  # noqa: E402
+
+from specops.campaign import Campaign  # noqa: E402
+from specops.config import config_from_dict  # noqa: E402
+from specops.extract import TargetModel, find_decoder, plan_batches, run_extract  # noqa: E402
+
+
+def make_target(tiny: bool, device: torch.device, work: Path) -> TargetModel:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if tiny:
+        cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096)
+    else:
+        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                          rope_theta=500000.0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.eval().requires_grad_(False)
+    mdir = work / "model"
+    mdir.mkdir()
+    cfg.save_pretrained(mdir)  # config only: the weights live on the device
+    dec = find_decoder(model, cfg.num_hidden_layers)
+    return TargetModel(model=model, decoder=dec, lm_head=model.get_output_embeddings(), config=cfg,
+                       model_dir=mdir, device=device, dtype=dtype)
+
+
+def write_build(camp: Path, lens: list[int], vocab: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    build = camp / "build"
+    build.mkdir(parents=True)
+    for split, ls in (("train", lens), ("val", lens[:2])):
+        ids = torch.randint(0, vocab, (sum(ls),), generator=g, dtype=torch.int32)
+        offsets = torch.tensor([0] + list(torch.tensor(ls).cumsum(0).tolist()), dtype=torch.int64)
+        save_file({"input_ids": ids, "loss_mask": torch.ones(sum(ls), dtype=torch.uint8), "offsets": offsets},
+                  str(build / f"{split}.safetensors"))
+        with open(build / f"{split}.ids.jsonl", "w") as f:
+            for i, L in enumerate(ls):
+                f.write(json.dumps({"id": f"b/{i}", "dataset": "b", "n_tokens": L, "n_trainable": L}) + "\n")
+
+
+def bare_forward(target: TargetModel, lens: list[int], budget: int, vocab: int) -> float:
+    """The usual hand-written extraction loop's compute: HF forward with all hidden states."""
+    g = torch.Generator().manual_seed(1)
+    batches = plan_batches(lens, budget)
+    dev = target.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        warm = torch.randint(0, vocab, (1, 256), generator=g).to(dev)
+        target.model(warm, output_hidden_states=True)
+        sync()
+        t0 = time.perf_counter()
+        tokens = 0
+        for b in batches:
+            T = max(lens[i] for i in b)
+            ids = torch.randint(0, vocab, (len(b), T), generator=g).to(dev, non_blocking=True)
+            out = target.model.model(ids, output_hidden_states=True)
+            hs = out.hidden_states
+            assert len(hs) == target.num_hidden_layers + 1
+            tokens += sum(lens[i] for i in b)
+        sync()
+    return tokens / (time.perf_counter() - t0)
+
+
+def specops_extract(target: TargetModel, work: Path, lens: list[int], budget: int, dtype: str,
+                    shard_tokens: int) -> dict:
+    camp_dir = work / f"camp-{dtype}"
+    vocab = target.vocab_size
+    write_build(camp_dir, lens, vocab)
+    cfg = config_from_dict({
+        "campaign": {"name": "bench", "dir": str(camp_dir)},
+        "target": {"model": str(target.model_dir)},
+        "extract": {"dtype": dtype, "token_budget": budget, "shard_tokens": shard_tokens},
+        "datasets": [{"name": "b", "path": str(work / "dummy.jsonl")}],
+    })
+    camp = Campaign.create_or_open(cfg)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    summary = run_extract(cfg, camp, split="train", target=target)
+    sync()
+    dt = time.perf_counter() - t0
+    tr = summary["splits"]["train"] if "splits" in summary else summary["train"]
+    out = {"tokens_per_s": sum(lens) / dt, "seconds": dt, "bytes_per_token": tr.get("bytes_per_token"),
+           "bytes": tr.get("bytes"), "padding_waste": tr.get("padding_waste")}
+    shutil.rmtree(camp_dir)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+    ap.add_argument("--samples", type=int, default=160)
+    ap.add_argument("--min-len", type=int, default=512)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--token-budget", type=int, default=32768)
+    ap.add_argument("--shard-tokens", type=int, default=1 << 17)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    work = Path(tempfile.mkdtemp(prefix="specops-extract-bench-"))
+    (work / "dummy.jsonl").write_text('{"prompt": "x"}\n')
+    try:
+        target = make_target(a.tiny, dev, work)
+        g = torch.Generator().manual_seed(0)
+        lens = torch.randint(a.min_len, a.max_len + 1, (a.samples,), generator=g).tolist()
+        base = bare_forward(target, lens, a.token_budget, target.vocab_size)
+        bf16 = specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens)
+        fp8 = specops_extract(target, work, lens, a.token_budget, "float8_e4m3fn", a.shard_tokens)
+        res = {
+            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+            "model": "tiny" if a.tiny else "llama-8B-shaped random (H4096, L32, V128256)",
+            "samples": a.samples, "tokens": sum(lens), "token_budget": a.token_budget,
+            "bare_forward_tok_s": round(base, 1),
+            "specops_bf16_tok_s": round(bf16["tokens_per_s"], 1),
+            "ratio_bf16": round(bf16["tokens_per_s"] / base, 3),
+            "specops_fp8_tok_s": round(fp8["tokens_per_s"], 1),
+            "ratio_fp8": round(fp8["tokens_per_s"] / base, 3),
+            "bytes_per_token_bf16": bf16["bytes_per_token"], "bytes_per_token_fp8": fp8["bytes_per_token"],
+            "padding_waste": bf16["padding_waste"],
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(res, indent=1))
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
