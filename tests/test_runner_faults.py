@@ -135,3 +135,24 @@ def test_multi_turn_history_sends_no_reasoning(tmp_path):
     assert rec["turns"][0]["index"] == 1 and rec["turns"][1]["index"] == 3
     second = reqs[1]["body"]["messages"]
     assert second[1]["content"] == rec["messages"][1]["content"] and "reasoning" not in second[1]
+
+
+@pytest.mark.parametrize("mode, roles, sent_last", [
+    ("first", ["system", "user", "assistant"], "first"),
+    ("last", ["system", "user", "assistant", "user", "assistant"], "second"),
+])
+def test_turn_modes(tmp_path, mode, roles, sent_last):
+    prompts = tmp_path / "mt.jsonl"
+    prompts.write_text(json.dumps({"id": "c1", "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "old answer"}, {"role": "user", "content": "second"}]}) + "\n")
+    with start_fake_server(tmp_path / "srv", model="fake-model", log_bodies=True) as srv:
+        cfg = make_cfg(tmp_path, srv.url, prompts)
+        cfg.datasets[0].turns = mode
+        run_generate(cfg, progress=False)
+        reqs = [r for r in srv.requests() if r["sample"] == "ds/c1"]
+    rec = read_jsonl(tmp_path / "camp" / "generate" / "ds" / "records.jsonl")[0]
+    assert [m["role"] for m in rec["messages"]] == roles and len(reqs) == 1
+    assert reqs[0]["body"]["messages"][-1]["content"] == sent_last
+    if mode == "last":
+        assert rec["messages"][2]["content"] == "old answer"  # the original answer stays as history

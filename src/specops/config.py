@@ -72,7 +72,9 @@ class SamplingDefaults:
 class GenerateSection:
     reasoning: Literal["save", "off"] = "save"
     ordering: Literal["sequential", "interleaved"] = "sequential"
-    turns: Literal["all", "last"] = "all"  # regenerate every assistant turn, or only the last
+    # all: regenerate every assistant turn in order; last: only the reply to the last user turn (the
+    # original answers stay as history); first: only the reply to the first user turn (short prompts)
+    turns: Literal["all", "last", "first"] = "all"
     concurrency: int = 64
     max_tokens: int = 1024
     temperature: float = 0.0
@@ -150,7 +152,7 @@ class DatasetSection:
     seed: int | None = None
     system_prompt: str | None = None
     tools: str | None = None  # JSON file of OpenAI tool schemas sent with every sample
-    turns: Literal["all", "last"] | None = None
+    turns: Literal["all", "last", "first"] | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
 
 
@@ -209,6 +211,64 @@ class TrainSection:
             raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
 
 
+# Eval prompt sets: the built-in sources meant for evaluation, or "file" (a path is then required).
+EVAL_SOURCES = ("mtbench", "humaneval", "gsm8k", "alpacaeval", "spec_bench", "file")
+
+
+def parse_eval_dataset(entry: str) -> tuple[str, str, str | None]:
+    """An `eval.datasets` entry -> (name, source, path). "mtbench" is a built-in source;
+    "spec_bench:/data/spec_bench/question.jsonl" a built-in read from that path;
+    "file:prompts/x.jsonl" a prompt file (name: the file's stem)."""
+    source, sep, path = entry.partition(":")
+    source, path = source.strip(), path.strip() if sep else None
+    if source not in EVAL_SOURCES:
+        raise ConfigError(f"eval.datasets: unknown source {source!r} in {entry!r} (expected one of "
+                          f"{', '.join(EVAL_SOURCES)}, optionally followed by ':<path>')")
+    if sep and not path:
+        raise ConfigError(f"eval.datasets: {entry!r} has an empty path after ':'")
+    if source == "file" and not path:
+        raise ConfigError(f"eval.datasets: {entry!r}: source 'file' needs a path ('file:<path>')")
+    name = Path(path).name.split(".")[0] if source == "file" else source
+    return name, source, path
+
+
+@dataclass(kw_only=True)
+class EvalSection:
+    """`specops eval`: a real speculative-decoding loop (target + drafter, batch 1) on held-out sets."""
+
+    datasets: list[str] = field(default_factory=lambda: ["mtbench"])  # see parse_eval_dataset
+    limit_per_dataset: int = 10  # prompts (an MT-bench prompt runs both of its turns)
+    k: int = 7  # drafts per target step (a chain)
+    temperature: float = 0.0  # 0: greedy (output identical to the target's); > 0: rejection sampling
+    max_new_tokens: int = 256  # per generated turn
+    baseline_tokens_per_s: float | None = None  # the go/no-go line: tokens/s without speculation
+    min_tau: float | None = None  # go/no-go: mean accepted tokens per target step at least this
+    device: str = "auto"  # auto: cuda if available else cpu
+    seed: int = 0
+    drafter: str | None = None  # an export dir or a training checkpoint; default: the campaign's latest
+
+    def __post_init__(self) -> None:
+        if not self.datasets:
+            raise ConfigError("eval.datasets: at least one dataset is required")
+        names: set[str] = set()
+        for entry in self.datasets:
+            name = parse_eval_dataset(entry)[0]
+            if name in names:
+                raise ConfigError(f"eval.datasets: two entries are named {name!r}")
+            names.add(name)
+        for key in ("limit_per_dataset", "k", "max_new_tokens"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"eval.{key}: must be > 0, got {getattr(self, key)}")
+        if self.temperature < 0:
+            raise ConfigError(f"eval.temperature: must be >= 0, got {self.temperature}")
+        if self.baseline_tokens_per_s is not None and self.baseline_tokens_per_s <= 0:
+            raise ConfigError(f"eval.baseline_tokens_per_s: must be > 0, got {self.baseline_tokens_per_s}")
+        if self.min_tau is not None and self.min_tau < 1:
+            raise ConfigError(f"eval.min_tau: tau counts the target's own token, so it is >= 1; got {self.min_tau}")
+        if not self.device:
+            raise ConfigError("eval.device: must not be empty (auto, cpu, cuda, cuda:N)")
+
+
 @dataclass(kw_only=True)
 class Config:
     campaign: CampaignSection = field(default_factory=CampaignSection)
@@ -221,6 +281,7 @@ class Config:
     datasets: list[DatasetSection] = field(default_factory=list)
     extract: ExtractSection = field(default_factory=ExtractSection)
     train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     source_path: Path | None = None  # where it was loaded from (not a TOML key)
 
     def to_dict(self) -> dict[str, Any]:

@@ -308,6 +308,11 @@ class Runner:
             last_user = max(i for i, m in enumerate(msgs) if m.get("role") == "user")
             history.extend(msgs[: last_user + 1])
             await gen()
+        elif mode == "first":
+            first_user = min(i for i, m in enumerate(msgs) if m.get("role") == "user")
+            history.extend(m for m in msgs[:first_user] if m.get("role") == "system")
+            history.append(msgs[first_user])
+            await gen()
         else:
             for m in msgs:
                 if m.get("role") == "assistant":

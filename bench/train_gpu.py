@@ -1,0 +1,120 @@
+"""Benchmark `train`: drafter training tokens/s with K=7 for an 8B-shaped target from synthetic
+features (hidden 4096, 32 layers, target vocab 128256, draft vocab 32000), bf16 autocast.
+
+Writes a synthetic campaign (target dir with only config + final norm + lm_head + embed, build
+vocab, feature shards in the DESIGN format), runs `run_train` for --steps optimizer steps and reads
+tokens/s from drafter/metrics.jsonl (excluding the first logged window: warm-up).
+
+    python bench/train_gpu.py [--tiny] [--seqs 64] [--seq-len 2048] [--batch-tokens 16384] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from safetensors.torch import save_file  # noqa: E402
+
+from specops.campaign import Campaign  # noqa: E402
+from specops.config import config_from_dict  # noqa: E402
+from specops.drafter.train import run_train  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--seqs", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--batch-tokens", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    H, L, V, DV, I = (64, 8, 512, 128, 128) if a.tiny else (4096, 32, 128256, 32000, 14336)
+    work = Path(tempfile.mkdtemp(prefix="specops-train-bench-"))
+    try:
+        g = torch.Generator().manual_seed(0)
+        tdir = work / "target"
+        tdir.mkdir()
+        (tdir / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
+            "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": 32 if not a.tiny else 4,
+            "num_key_value_heads": 8 if not a.tiny else 2, "vocab_size": V, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False}))
+        save_file({"model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+                   "lm_head.weight": (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16),
+                   "model.embed_tokens.weight": (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16)},
+                  str(tdir / "model.safetensors"))
+        camp_dir = work / "camp"
+        build = camp_dir / "build"
+        build.mkdir(parents=True)
+        ids_vocab = torch.sort(torch.randperm(V, generator=g)[:DV]).values
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[ids_vocab] = True
+        save_file({"d2t": ids_vocab - torch.arange(DV), "t2d": t2d}, str(build / "vocab.safetensors"))
+        for split, n in (("train", a.seqs), ("val", 2)):
+            d = camp_dir / "features" / split
+            d.mkdir(parents=True)
+            T = a.seq_len
+            shards = []
+            per = 8
+            for k, s0 in enumerate(range(0, n, per)):
+                m = min(per, n - s0)
+                N = m * T
+                t = {"input_ids": ids_vocab[torch.randint(0, DV, (N,), generator=g)].to(torch.int32),
+                     "loss_mask": torch.ones(N, dtype=torch.uint8),
+                     "offsets": torch.arange(0, N + 1, T, dtype=torch.int64),
+                     "sample_index": torch.arange(s0, s0 + m),
+                     "aux": torch.randn(N, 3, H, generator=g).to(torch.bfloat16),
+                     "final": torch.randn(N, H, generator=g).to(torch.bfloat16)}
+                name = f"shard-00-{k:05d}.safetensors"
+                save_file(t, str(d / name))
+                shards.append({"name": name, "n_samples": m, "n_tokens": N})
+            (d / "index.json").write_text(json.dumps({
+                "format": "specops-features-v1", "aux_layer_ids": [2, L // 2, L - 3],
+                "aux_layer_convention": "input-to-layer (= HF hidden_states index)", "final": "pre-norm",
+                "hidden_size": H, "num_hidden_layers": L, "dtype": "bfloat16", "split": split,
+                "shards": shards, "complete": True}))
+        (work / "d.jsonl").write_text('{"prompt": "x"}\n')
+        cfg = config_from_dict({
+            "campaign": {"name": "tb", "dir": str(camp_dir)},
+            "target": {"model": str(tdir)},
+            "train": {"ttt_steps": a.ttt, "batch_tokens": a.batch_tokens, "warmup_steps": 2,
+                      "total_steps": a.steps, "log_every": 2, "eval_every": 10 ** 6,
+                      "checkpoint_every": 10 ** 6, "max_seq_len": a.seq_len},
+            "datasets": [{"name": "d", "path": str(work / "d.jsonl")}],
+        })
+        camp = Campaign.create_or_open(cfg)
+        t0 = time.perf_counter()
+        run_train(cfg, camp, max_steps=a.steps)
+        wall = time.perf_counter() - t0
+        rows = [json.loads(x) for x in (camp_dir / "drafter" / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if r.get("split") == "train" and r.get("tokens_per_s")]
+        steady = rows[1:] or rows
+        res = {
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "target": "tiny" if a.tiny else "8B-shaped (H4096, V128256), draft vocab 32000",
+            "ttt_steps": a.ttt, "seq_len": a.seq_len, "batch_tokens": a.batch_tokens, "steps": a.steps,
+            "tokens_per_s": round(sum(r["tokens_per_s"] for r in steady) / len(steady), 1),
+            "wall_s": round(wall, 1),
+            "peak_gpu_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1) if torch.cuda.is_available() else None,
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(res, indent=1))
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
