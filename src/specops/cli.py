@@ -239,6 +239,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_reset(args: argparse.Namespace) -> int:
+    from .reset import reset
+
+    out = reset(_campaign_from_arg(args.campaign), args.phase, dataset=args.dataset)
+    print(f"archived {', '.join(out['moved']) or 'nothing'} to {out['archived_to']}; "
+          f"pending: {', '.join(out['pending'])}")
+    return 0
+
+
 def _cmd_stop(args: argparse.Namespace) -> int:
     from .runctl import resolve_campaign_arg, stop
 
@@ -321,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--detach", action="store_true", help="leave the server running once healthy")
     sv.add_argument("--stop", action="store_true", help="stop the server this campaign started")
     sv.set_defaults(func=_cmd_serve)
+
+    rs = sub.add_parser("reset", help="archive (never delete) a phase's outputs and mark it pending")
+    rs.add_argument("phase", help="generate, build, extract, train, export or eval")
+    rs.add_argument("campaign", nargs="?", help="campaign directory or its campaign.toml (default: .)")
+    rs.add_argument("--dataset", help="generate only: reset one dataset")
+    rs.set_defaults(func=_cmd_reset)
 
     sp = sub.add_parser("stop", help="stop a running (e.g. detached) phase gracefully")
     sp.add_argument("campaign", nargs="?", help="campaign directory or its campaign.toml (default: .)")

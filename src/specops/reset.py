@@ -1,0 +1,57 @@
+"""`specops reset PHASE [--dataset NAME]`: set a phase's outputs aside (never delete) and mark it pending.
+
+Outputs move to `<campaign>/archive/<phase>[-<dataset>]-<UTC timestamp>/`, so data from a bad run
+(a wrong chat template, a server with the wrong reasoning parser) can be regenerated safely and
+still be inspected. Refused while any specops process holds the campaign lock. Phases downstream
+of the reset one are marked pending too (their inputs changed), their files left in place.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+
+from .campaign import PHASES, Campaign, RunLock
+from .errors import SpecopsError
+
+# Where each phase writes (relative to the campaign root).
+OUTPUTS = {
+    "generate": ["generate"],
+    "build": ["build"],
+    "extract": ["features"],
+    "train": ["drafter/checkpoints", "drafter/metrics.jsonl", "drafter/manifest.json"],
+    "export": ["drafter/export"],
+    "eval": ["eval"],
+}
+
+
+def reset(campaign: Campaign, phase: str, *, dataset: str | None = None) -> dict:
+    if phase not in PHASES:
+        raise SpecopsError(f"reset: unknown phase {phase!r} (one of {', '.join(PHASES)})")
+    if dataset and phase != "generate":
+        raise SpecopsError("reset: --dataset applies to the generate phase only")
+    if campaign.read_manifest() is None:
+        raise SpecopsError(f"reset: no campaign at {campaign.root}")
+    with RunLock(campaign, f"reset {phase}"):
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        dest = campaign.root / "archive" / f"{phase}{'-' + dataset if dataset else ''}-{stamp}"
+        paths = [f"generate/{dataset}"] if dataset else OUTPUTS[phase]
+        moved = []
+        for rel in paths:
+            src = campaign.root / rel
+            if not src.exists():
+                continue
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, target)
+            moved.append(rel)
+        if dataset and not moved:
+            raise SpecopsError(f"reset: no generate output for dataset {dataset!r}")
+        downstream = list(PHASES[PHASES.index(phase):])
+        m = campaign.read_manifest() or {}
+        for p in downstream:
+            m.setdefault("phases", {}).setdefault(p, {})["state"] = "pending"
+        m.setdefault("events", []).append({"at": stamp, "kind": "reset", "phase": phase, "dataset": dataset,
+                                           "archived_to": str(dest.relative_to(campaign.root)), "moved": moved})
+        campaign.write_manifest(m)
+    return {"archived_to": str(dest), "moved": moved, "pending": downstream}
