@@ -3,7 +3,7 @@
 # tests marked `vllm` and by the reliability suite. ~4 min and ~3.5 GB the first time.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-venv=${SPECOPS_VLLM_VENV:-$here/.venv-vllm}
+venv=${SPECOPS_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/specops/venv-vllm}
 py=${PYTHON:-python3}
 stamp="$venv/.specops-vllm"
 [ -f "$stamp" ] && exit 0
