@@ -32,6 +32,7 @@ template's headers, is 0):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -517,13 +518,15 @@ def _dataset_names(cfg: Config, campaign: Campaign) -> list[str]:
     return names
 
 
-def run_build(cfg: Config, campaign: Campaign | None = None) -> dict[str, Any]:
-    """Build `cfg`'s campaign: records -> build/. Returns the manifest (also build/manifest.json)."""
+def run_build(cfg: Config, campaign: Campaign | None = None, *, lock: bool = True) -> dict[str, Any]:
+    """Build `cfg`'s campaign: records -> build/. Returns the manifest (also build/manifest.json).
+
+    `lock=False` when the caller (`specops run`) already holds the campaign lock."""
     check_build_section(cfg.build)
     campaign = campaign or Campaign(cfg.campaign_dir())
     if not (campaign.root / "generate").is_dir():
         raise InputError(f"{campaign.root}: no generate/ directory; run `specops generate` first")
-    with RunLock(campaign, "build"):
+    with RunLock(campaign, "build") if lock else contextlib.nullcontext():
         campaign.set_phase("build", "running", pid=os.getpid())
         tmp = campaign.root / f"build.tmp.{os.getpid()}"
         try:

@@ -248,6 +248,36 @@ def _cmd_reset(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .pipeline import phases_between, run_all
+
+    cfg = load_config(args.config)
+    phases_between(args.from_phase, args.to_phase)  # validate before anything starts
+    if args.detach:
+        from .campaign import Campaign
+        from .runctl import spawn_detached
+
+        camp = Campaign.create_or_open(cfg)
+        argv = ["run", str(args.config), "--no-progress"]
+        for flag, v in (("--from", args.from_phase), ("--to", args.to_phase)):
+            if v:
+                argv += [flag, v]
+        if args.skip_preflight:
+            argv.append("--skip-preflight")
+        pid = spawn_detached(argv, camp)
+        print(f"run detached: pid {pid}\n  campaign: {camp.root}\n  follow:   specops status {camp.root} --watch"
+              f"\n  stop:     specops stop {camp.root}")
+        return 0
+    results = run_all(cfg, start=args.from_phase, stop=args.to_phase, skip_preflight=args.skip_preflight,
+                      progress=False if args.no_progress else None)
+    print(json.dumps(results, indent=1, default=str))
+    rep = results.get("eval")
+    if isinstance(rep, dict) and rep.get("report"):
+        print(f"report: {rep['report']}")
+    return 0
+
+
 def _cmd_stop(args: argparse.Namespace) -> int:
     from .runctl import resolve_campaign_arg, stop
 
@@ -306,6 +336,15 @@ def build_parser() -> argparse.ArgumentParser:
     xp.add_argument("--target", help="target model dir or config.json, to range-check layer ids (--check)")
     xp.add_argument("--json", action="store_true")
     xp.set_defaults(func=_cmd_export)
+
+    r = sub.add_parser("run", help="every phase in order with gates; done phases are skipped")
+    r.add_argument("config", help="campaign.toml")
+    r.add_argument("--from", dest="from_phase", help="first phase (generate build extract train export eval)")
+    r.add_argument("--to", dest="to_phase", help="last phase")
+    r.add_argument("--skip-preflight", action="store_true", help="no pre-flight gates (recorded in the manifest)")
+    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--detach", action="store_true", help="run in the background (own session)")
+    r.set_defaults(func=_cmd_run)
 
     pf = sub.add_parser("preflight", help="can I start? every GPU, disk vs forecast, RAM, model files, ports")
     pf.add_argument("config", nargs="?", help="campaign.toml")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 
@@ -14,7 +15,7 @@ log = logging.getLogger("specops.generate")
 
 
 def run_generate(cfg: Config, *, retry_failed: bool = False, progress: bool | None = None, engine=None,
-                 canary: bool = True):
+                 canary: bool = True, lock: bool = True):
     """Run (or resume) the generate phase of `cfg`'s campaign. Returns a GenerateSummary.
 
     Order: lock -> engine start -> canary (a few samples per dataset, validated) -> full run.
@@ -22,7 +23,7 @@ def run_generate(cfg: Config, *, retry_failed: bool = False, progress: bool | No
     from .runner import Runner, build_engine
 
     campaign = Campaign.create_or_open(cfg)
-    with RunLock(campaign, "generate"):
+    with RunLock(campaign, "generate") if lock else contextlib.nullcontext():
         _attach_log(campaign)
         engine = engine if engine is not None else build_engine(cfg)
         campaign.set_phase("generate", "running", pid=os.getpid())
