@@ -13,7 +13,7 @@ from specops.config import config_from_dict
 from specops.models import resolve_model_dir
 from specops.pipeline import GateFailed, run_all
 
-STOP_AT = "export"  # eval joins once the evaluator lands
+STOP_AT = "eval"
 
 
 @pytest.fixture(scope="module")

@@ -278,6 +278,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluate.report import write_report
+    from .evaluate.specdec import run_eval
+
+    camp = _campaign_from_arg(args.campaign)
+    from .config import load_config
+
+    cfg = load_config(args.campaign) if args.campaign.endswith(".toml") else load_config(camp.config_path)
+    summary = run_eval(cfg, camp, drafter_dir=args.drafter)
+    md, html = write_report(camp)
+    print(json.dumps(summary.get("overall", summary), indent=1, default=str))
+    print(f"report: {html}")
+    v = summary.get("verdict") or {}
+    print(v.get("line", ""))
+    return 0 if v.get("go", True) else 1
+
+
 def _cmd_stop(args: argparse.Namespace) -> int:
     from .runctl import resolve_campaign_arg, stop
 
@@ -345,6 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--detach", action="store_true", help="run in the background (own session)")
     r.set_defaults(func=_cmd_run)
+
+    ev = sub.add_parser("eval", help="real speculative decoding: tau, acceptance per position, speedup; report")
+    ev.add_argument("campaign", help="campaign.toml or campaign directory")
+    ev.add_argument("--drafter", help="a drafter export or checkpoint dir (default: the campaign's newest)")
+    ev.set_defaults(func=_cmd_eval)
 
     pf = sub.add_parser("preflight", help="can I start? every GPU, disk vs forecast, RAM, model files, ports")
     pf.add_argument("config", nargs="?", help="campaign.toml")

@@ -115,7 +115,7 @@ def _run_phase(cfg: Config, campaign: Campaign, phase: str, *, progress: bool | 
         from .evaluate.report import write_report
         from .evaluate.specdec import run_eval
 
-        summary = run_eval(cfg, campaign)
+        summary = run_eval(cfg, campaign, lock=False)
         md, html = write_report(campaign)
         return {"summary": summary.get("overall", summary), "report": str(html)}
     raise AssertionError(phase)

@@ -1,0 +1,5 @@
+import sys
+
+from .specdec import main
+
+sys.exit(main())

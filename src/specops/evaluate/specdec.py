@@ -1,0 +1,884 @@
+"""Evaluate: a real speculative-decoding loop (HF target + EAGLE-3 drafter, batch 1) -> measured tau.
+
+    drafter (export dir or checkpoint) + held-out prompt sets -> eval/<dataset>.json, eval/summary.json
+
+Verbs, gpt-fast style: `prefill`, `draft`, `verify`, `accept`, `speculative_generate` (the loop),
+`target_generate` (the no-speculation baseline on the same cache machinery), `summarize`, `run_eval`.
+
+Bookkeeping (x_0..x_{n-1} the prompt; aux_t [3, H_t] the target's inputs to layers aux_layer_ids
+at position t; P = tokens in the target's KV cache; `last` = x_P, verified but not yet cached):
+
+    prefill     target([x_0..x_{n-1}]) at 0..n-1 -> cache 0..n-1, aux_0..aux_{n-1}, x_n (P = n)
+                drafter slots t = 0..n-2 (token x_{t+1}, hidden fc(aux_t), position t) -> drafter
+                cache 0..n-2; pending = (aux_{n-1}, x_n): m = 1 slot
+    round       the drafter cache holds 0..P-m-1; pending = aux [1, m, 3, H_t] for positions
+                P-m..P-1 and tokens [1, m] = x_{P-m+1}..x_P (each slot: the target's state AT t and
+                the token AFTER t, training's step-0 alignment)
+      draft     catch-up: one drafter call over the m pending slots (positions P-m..P-1) -> its
+                cache holds 0..P-1, all from target states; the last slot's output predicts d_1.
+                Draft j >= 2: token d_{j-1}, hidden = the previous call's pre-norm output [1, 1, H],
+                position P+j-2 (training's step j-1) -> d_j. Then the drafter cache is cut back to
+                P: the entries made from its own hidden states are recomputed next round from the
+                target's (as vLLM's eagle proposer reruns the drafter over the accepted tokens).
+      verify    target([x_P, d_1..d_k]) at P..P+k -> logits [k+1, V], aux [k+1, 3, H_t]
+      accept    a drafts accepted (0..k), then one token b from the target: the step emits a + 1
+      rollback  target cache cut to P+a+1 (x_P, d_1..d_a); pending = (aux[:a+1] for positions
+                P..P+a, tokens d_1..d_a, b); P += a + 1; last = b
+
+tau = mean over target steps of (a + 1). Acceptance per position i (1..k) is conditional:
+P(draft i accepted | drafts 1..i-1 accepted), so tau = 1 + sum_k prod_{i<=k} acc_i, the quantity
+training simulates (train.simulated_tau). Stats come from the verifications themselves; the emitted
+text is cut at the first eos and at max_new_tokens.
+
+Times: a target step is one verification forward (k+1 tokens); a drafter step is the drafter's
+time in that round divided by k (per draft token: the catch-up call plus k-1 one-token calls). The
+cost ratio c = drafter step / target step gives the ideal speedup tau / (1 + k·c); the measured
+speedup is tokens/s against `target_generate` on the same prompts (wall clock, prefill included).
+On CUDA every timed section ends with a synchronize (a CPU-GPU sync point, as intended). The
+target runs eagerly with a DynamicCache everywhere (correct first; no StaticCache/CUDA graphs yet),
+so on a GPU small targets are bound by per-step Python overhead.
+
+Data: eval.datasets are built-in sources or files read by generate/sources.py, `limit_per_dataset`
+prompts each, chat template applied with add_generation_prompt. Every user message is a generated
+turn with the model's own earlier answers in the history (MT-bench: both turns). A set that a
+training dataset reads (same built-in source, or a shared file) is refused; single prompts whose
+first user message also appears in a training dataset (Spec-Bench holds MT-bench's questions) are
+left out and listed in eval/<dataset>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..campaign import Campaign, RunLock, atomic_write_json, now_iso
+from ..config import Config, DatasetSection, parse_eval_dataset
+from ..drafter.model import DrafterConfig, Eagle3Drafter, default_aux_layer_ids
+from ..errors import ConfigError, InputError, SpecopsError
+from .report import verdict
+
+log = logging.getLogger("specops.eval")
+
+__all__ = [
+    "TargetRunner",
+    "DrafterCache",
+    "SpecResult",
+    "BaselineResult",
+    "prefill",
+    "draft",
+    "verify",
+    "accept",
+    "speculative_generate",
+    "target_generate",
+    "summarize",
+    "verdict",
+    "load_eval_drafter",
+    "run_eval",
+]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- target with a KV cache
+
+
+class TargetRunner:
+    """The HF target with a DynamicCache; aux states captured by forward pre-hooks on the layers
+    (input to layer i = HF hidden_states index i; i = L is the final norm's input)."""
+
+    def __init__(self, target: Any, aux_layer_ids: Sequence[int]):
+        self.target = target  # extract.TargetModel
+        self.model = target.model
+        self.device = torch.device(target.device)
+        self.aux_layer_ids = [int(i) for i in aux_layer_ids]
+        L = target.num_hidden_layers
+        for i in self.aux_layer_ids:
+            if not 0 <= i <= L:
+                raise InputError(f"aux layer id {i} out of range 0..{L} (input-to-layer ids)")
+
+    def new_cache(self) -> Any:
+        # No config: every layer is a full, croppable DynamicLayer (sliding-window models keep their
+        # window through the attention mask, at the memory cost of the full history).
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    @staticmethod
+    def crop(cache: Any, length: int) -> None:
+        """Keep the first `length` positions. transformers 5: crop(-n) removes the last n."""
+        extra = cache.get_seq_length() - length
+        assert extra >= 0, f"crop to {length} of a cache holding {length + extra}"
+        if extra:
+            if not getattr(cache, "is_croppable", True):
+                raise SpecopsError("the target's KV cache cannot be rolled back (sliding-window or linear "
+                                   "attention layers); speculative decoding needs a croppable cache")
+            cache.crop(-extra)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, cache: Any, start: int, *, aux: bool, last_only: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [1, T] at positions start..start+T-1, appended to `cache` ->
+        (logits float32 [T, V] (or [1, V] with last_only), aux [T, 3, H_t] in the model dtype or None)."""
+        T = ids.shape[1]
+        buf = None
+        handles = []
+        if aux:
+            buf = torch.empty(T, len(self.aux_layer_ids), self.target.hidden_size, dtype=self.target.dtype,
+                              device=self.device)
+            L = self.target.num_hidden_layers
+            for j, i in enumerate(self.aux_layer_ids):
+                module = self.target.norm if i == L else self.target.layers[i]
+
+                def hook(mod, args, kwargs, j=j):
+                    h = args[0] if args else kwargs["hidden_states"]
+                    buf[:, j].copy_(h[0])  # copy at once: the layer may reuse its input
+
+                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        try:
+            pos = torch.arange(start, start + T, device=self.device)[None]
+            out = self.model(input_ids=ids.to(self.device), position_ids=pos, cache=cache, use_cache=True,
+                             logits_to_keep=1 if last_only else 0)
+        finally:
+            for h in handles:
+                h.remove()
+        return out.logits[0].float(), buf
+
+
+# ---------------------------------------------------------------- drafter KV cache
+
+
+class DrafterCache:
+    """The drafter's KV: k, v [1, nkv, S, head_dim] for positions 0..S-1 (k after RoPE)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def past(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [] if self.k is None else [(self.k, self.v)]
+
+    def append(self, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        k, v = kv
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+# ---------------------------------------------------------------- the verbs
+
+
+def _sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    return torch.multinomial(probs, 1, generator=gen)[..., 0]
+
+
+def prefill(runner: TargetRunner, prompt: torch.Tensor, cache: Any, *, aux: bool
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """prompt [1, n] -> (logits float32 [V] after x_{n-1}, aux [n, 3, H_t] or None)."""
+    logits, states = runner.forward(prompt, cache, 0, aux=aux, last_only=True)
+    return logits[-1], states
+
+
+@torch.no_grad()
+def draft(drafter: Eagle3Drafter, dcache: DrafterCache, tokens: torch.Tensor, aux: torch.Tensor, start: int,
+          k: int, *, temperature: float, gen: torch.Generator | None
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chain of k drafts. tokens [1, m] (x_{t+1}), aux [1, m, 3, H_t] (aux_t) for t = start..start+m-1;
+    `dcache` holds positions 0..start-1 and is left holding 0..start+m-1.
+
+    Returns drafts as target ids, int64 [k], and at temperature > 0 the drafter's distributions
+    q over the draft vocab, float32 [k, Vd] (d_j was sampled from q[j-1])."""
+    m = tokens.shape[1]
+    dev = drafter.d2t.device
+    positions = torch.arange(start, start + m, device=dev)[None]
+    out = drafter(tokens.to(dev), drafter.fuse(aux.to(dev)), positions, past_kv=dcache.past(), return_logits=False)
+    dcache.append(out.kv)
+    hidden = out.hidden[:, -1:]  # [1, 1, H] pre-norm: the next draft's hidden input
+    logits = drafter.compute_logits(hidden[0, -1]).float()  # [Vd]
+    pos = start + m - 1
+    drafts, qs = [], []
+    for j in range(k):
+        if temperature > 0:
+            q = torch.softmax(logits / temperature, dim=-1)
+            d = _sample(q, gen)
+            qs.append(q)
+        else:
+            d = logits.argmax(-1)
+        d = drafter.draft_to_target(d)  # target id = i + d2t[i]
+        drafts.append(d)
+        if j == k - 1:
+            break
+        pos += 1
+        out = drafter(d.view(1, 1), hidden, torch.tensor([[pos]], device=dev), past_kv=dcache.past())
+        dcache.append(out.kv)
+        hidden = out.hidden
+        logits = out.logits[0, -1].float()
+    dcache.crop(start + m)  # keep only what the target's states produced
+    return torch.stack(drafts), (torch.stack(qs) if qs else None)
+
+
+def verify(runner: TargetRunner, cache: Any, last: torch.Tensor, drafts: torch.Tensor, start: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over [last, d_1..d_k] at positions start..start+k ->
+    (logits float32 [k+1, V]: row i is the distribution after d_i (row 0: after last), aux [k+1, 3, H_t])."""
+    ids = torch.cat([last.view(1), drafts.to(last.device)]).view(1, -1)
+    logits, states = runner.forward(ids, cache, start, aux=True)
+    return logits, states
+
+
+def accept(drafts: torch.Tensor, target_logits: torch.Tensor, q_draft: torch.Tensor | None,
+           d2t: torch.Tensor | None, *, temperature: float, gen: torch.Generator | None
+           ) -> tuple[int, torch.Tensor]:
+    """-> (a = drafts accepted, 0..k; the token the target adds after them).
+
+    drafts int64 [k] (target ids d_1..d_k); target_logits [k+1, V], row j the target's next-token
+    logits after [last, d_1..d_j]; q_draft [k, Vd] (row j: the drafter's distribution d_{j+1} was
+    sampled from) and d2t [Vd], both at T > 0 only. Draft d_{j+1} is judged against row j.
+
+    T = 0 (greedy): accept the longest prefix with d_{j+1} == argmax row j; then the argmax of
+    row a (the correction at the first mismatch, or the bonus token when all k match). The output
+    is exactly the target's greedy decoding.
+
+    T > 0 (speculative sampling, Leviathan et al. 2023 / Chen et al. 2023): p_j = softmax(row j / T),
+    q_j = the drafter's row j mapped into the target vocab (0 outside the draft vocab). Accept
+    d_{j+1} with probability min(1, p_j(d) / q_j(d)); at the first rejection (row a) sample from the
+    residual r = max(0, p_a - q_a) / sum(max(0, p_a - q_a)) and stop; if all k are accepted, sample
+    the bonus token from p_k. Each emitted token is then distributed exactly as p:
+        P(x) = q(x)·min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y)))·r(x)
+             = min(p(x), q(x)) + max(0, p(x) - q(x)) = p(x)
+    (the rejection mass 1 - sum min(p, q) equals sum max(0, p - q), r's normaliser).
+    """
+    k = drafts.numel()
+    drafts = drafts.to(target_logits.device)
+    if temperature <= 0:
+        best = target_logits.argmax(-1)  # [k+1]
+        a = int((drafts == best[:k]).long().cumprod(0).sum())  # sync point
+        return a, best[a]
+    assert q_draft is not None and d2t is not None
+    p = torch.softmax(target_logits / temperature, dim=-1)  # [k+1, V]
+    V = p.shape[-1]
+    q = torch.zeros(k, V, dtype=p.dtype, device=p.device)  # q in the target vocab: 0 outside the draft vocab
+    ids = (torch.arange(d2t.numel(), device=d2t.device) + d2t).to(p.device)
+    q[:, ids] = q_draft.to(p.device, p.dtype)
+    rows = torch.arange(k, device=p.device)
+    p_d, q_d = p[rows, drafts], q[rows, drafts]  # q_d > 0: d was sampled from q
+    u = torch.rand(k, generator=gen, device=gen.device if gen is not None else p.device).to(p.device)
+    ok = u < p_d / q_d  # u ~ U[0, 1): P(ok) = min(1, p/q)
+    a = int(ok.long().cumprod(0).sum())  # sync point
+    if a == k:
+        return k, _sample(p[k], gen)
+    residual = (p[a] - q[a]).clamp_min(0)
+    if float(residual.sum()) <= 0:  # p == q up to rounding: the rejection had probability ~0
+        residual = p[a]
+    return a, _sample(residual / residual.sum(), gen)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@dataclass
+class SpecResult:
+    prompt_tokens: int
+    k: int
+    tokens: list[int]  # generated ids, at most max_new_tokens, the eos included when hit
+    finish_reason: str  # "stop" (an eos id) or "length"
+    accepted: list[int] = field(default_factory=list)  # per target step: drafts accepted, 0..k
+    target_step_s: list[float] = field(default_factory=list)  # per verification forward (k+1 tokens)
+    drafter_step_s: list[float] = field(default_factory=list)  # per target step: drafter time / k
+    prefill_s: float = 0.0  # target prefill
+    drafter_prefill_s: float = 0.0  # drafter over the prompt's target states
+    wall_s: float = 0.0
+
+    @property
+    def target_steps(self) -> int:
+        return len(self.accepted)
+
+    def position_counts(self) -> tuple[list[int], list[int]]:
+        """(reached[i], accepted[i]) for draft position i+1: steps whose drafts 1..i were accepted,
+        and steps whose draft i+1 was accepted too."""
+        reached = [sum(1 for a in self.accepted if a >= i) for i in range(self.k)]
+        ok = [sum(1 for a in self.accepted if a > i) for i in range(self.k)]
+        return reached, ok
+
+    def to_json(self) -> dict[str, Any]:
+        reached, ok = self.position_counts()
+        steps = max(self.target_steps, 1)
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": len(self.tokens), "tokens": self.tokens,
+            "finish_reason": self.finish_reason, "k": self.k, "target_steps": self.target_steps,
+            "tau": sum(a + 1 for a in self.accepted) / steps if self.accepted else None,
+            "accepted": self.accepted, "position_reached": reached, "position_accepted": ok,
+            "target_step_s": [round(x, 6) for x in self.target_step_s],
+            "drafter_step_s": [round(x, 6) for x in self.drafter_step_s],
+            "prefill_s": round(self.prefill_s, 6), "drafter_prefill_s": round(self.drafter_prefill_s, 6),
+            "wall_s": round(self.wall_s, 6),
+            "tokens_per_s": len(self.tokens) / self.wall_s if self.wall_s > 0 else None,
+        }
+
+
+@dataclass
+class BaselineResult:
+    prompt_tokens: int
+    tokens: list[int]
+    finish_reason: str
+    step_s: list[float] = field(default_factory=list)  # per one-token decode forward
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": len(self.tokens), "tokens": self.tokens,
+            "finish_reason": self.finish_reason, "step_s": [round(x, 6) for x in self.step_s],
+            "prefill_s": round(self.prefill_s, 6), "wall_s": round(self.wall_s, 6),
+            "tokens_per_s": len(self.tokens) / self.wall_s if self.wall_s > 0 else None,
+        }
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos_ids: frozenset[int]) -> tuple[list[int], str]:
+    for i, t in enumerate(tokens[:max_new_tokens]):
+        if t in eos_ids:
+            return tokens[: i + 1], "stop"
+    return tokens[:max_new_tokens], "length"
+
+
+def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return _sample(torch.softmax(logits / temperature, dim=-1), gen)
+
+
+@torch.no_grad()
+def speculative_generate(runner: TargetRunner, drafter: Eagle3Drafter, prompt: Sequence[int] | torch.Tensor, *,
+                         k: int, max_new_tokens: int, temperature: float = 0.0,
+                         eos_ids: Iterable[int] = (), gen: torch.Generator | None = None) -> SpecResult:
+    """Generate up to max_new_tokens after `prompt` (ids, chat template already applied)."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    dev = runner.device
+    eos = frozenset(int(e) for e in eos_ids)
+    ids = torch.as_tensor(list(prompt) if not torch.is_tensor(prompt) else prompt, dtype=torch.long).view(1, -1).to(dev)
+    n = ids.shape[1]
+    if n < 1:
+        raise ValueError("empty prompt")
+    res = SpecResult(prompt_tokens=n, k=k, tokens=[], finish_reason="length")
+    _sync(dev)
+    t_start = time.perf_counter()
+    cache = runner.new_cache()
+    logits, aux = prefill(runner, ids, cache, aux=True)  # aux [n, 3, H_t]
+    last = _pick(logits, temperature, gen)  # x_n
+    _sync(dev)
+    t1 = time.perf_counter()
+    res.prefill_s = t1 - t_start
+    # Drafter prefill: slots 0..n-2 (token x_{t+1}, hidden fc(aux_t), position t); slot n-1 is the
+    # first round's pending slot, whose token x_n the target just produced.
+    dcache = DrafterCache()
+    ddev = drafter.d2t.device
+    if n >= 2:
+        out = drafter(ids[:, 1:].to(ddev), drafter.fuse(aux[None, : n - 1].to(ddev)),
+                      torch.arange(n - 1, device=ddev)[None], return_logits=False)
+        dcache.append(out.kv)
+    _sync(dev)
+    res.drafter_prefill_s = time.perf_counter() - t1
+    generated = [int(last)]
+    P = n  # tokens in the target cache; `last` = x_P sits at position P
+    pend_tok = last.view(1, 1)  # [1, m]: x_{P-m+1}..x_P
+    pend_aux = aux[None, n - 1:]  # [1, m, 3, H_t]: aux at positions P-m..P-1
+    while len(generated) < max_new_tokens and not eos.intersection(generated[-(k + 1):]):
+        m = pend_tok.shape[1]
+        assert len(dcache) == P - m and cache.get_seq_length() == P, (len(dcache), P, m)
+        t0 = time.perf_counter()
+        drafts, q = draft(drafter, dcache, pend_tok, pend_aux, P - m, k, temperature=temperature, gen=gen)
+        _sync(dev)
+        t1 = time.perf_counter()
+        logits, vaux = verify(runner, cache, last, drafts, P)  # [k+1, V], [k+1, 3, H_t]
+        _sync(dev)
+        t2 = time.perf_counter()
+        a, nxt = accept(drafts, logits, q, drafter.d2t, temperature=temperature, gen=gen)
+        # Roll back: the target keeps x_P, d_1..d_a (positions P..P+a); the drafter already holds 0..P-1.
+        runner.crop(cache, P + a + 1)
+        new = torch.cat([drafts[:a].to(dev), nxt.view(1).to(dev)])  # d_1..d_a, b = x_{P+1}..x_{P+a+1}
+        pend_tok, pend_aux = new.view(1, -1), vaux[None, : a + 1]
+        last = nxt.view(())
+        P += a + 1
+        generated.extend(new.tolist())
+        res.accepted.append(a)
+        res.drafter_step_s.append((t1 - t0) / k)
+        res.target_step_s.append(t2 - t1)
+    _sync(dev)
+    res.wall_s = time.perf_counter() - t_start
+    res.tokens, res.finish_reason = _finish(generated, max_new_tokens, eos)
+    return res
+
+
+@torch.no_grad()
+def target_generate(runner: TargetRunner, prompt: Sequence[int] | torch.Tensor, *, max_new_tokens: int,
+                    temperature: float = 0.0, eos_ids: Iterable[int] = (),
+                    gen: torch.Generator | None = None) -> BaselineResult:
+    """The baseline: prefill, then one target forward per token on the same cache machinery."""
+    dev = runner.device
+    eos = frozenset(int(e) for e in eos_ids)
+    ids = torch.as_tensor(list(prompt) if not torch.is_tensor(prompt) else prompt, dtype=torch.long).view(1, -1).to(dev)
+    n = ids.shape[1]
+    res = BaselineResult(prompt_tokens=n, tokens=[], finish_reason="length")
+    _sync(dev)
+    t_start = time.perf_counter()
+    cache = runner.new_cache()
+    logits, _ = prefill(runner, ids, cache, aux=False)
+    tok = _pick(logits, temperature, gen)
+    generated = [int(tok)]
+    _sync(dev)
+    res.prefill_s = time.perf_counter() - t_start
+    pos = n
+    while len(generated) < max_new_tokens and generated[-1] not in eos:
+        t0 = time.perf_counter()
+        logits, _ = runner.forward(tok.view(1, 1), cache, pos, aux=False)
+        tok = _pick(logits[-1], temperature, gen)
+        generated.append(int(tok))  # sync point
+        res.step_s.append(time.perf_counter() - t0)
+        pos += 1
+    _sync(dev)
+    res.wall_s = time.perf_counter() - t_start
+    res.tokens, res.finish_reason = _finish(generated, max_new_tokens, eos)
+    return res
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def summarize(rows: list[dict[str, Any]], k: int) -> dict[str, Any]:
+    """Pooled metrics over turns; each row has "spec" (SpecResult.to_json) and optionally "baseline"."""
+    specs = [r["spec"] for r in rows]
+    bases = [r["baseline"] for r in rows if r.get("baseline")]
+    accepted = [a for s in specs for a in s["accepted"]]
+    steps = len(accepted)
+    reached = [sum(s["position_reached"][i] for s in specs) for i in range(k)]
+    ok = [sum(s["position_accepted"][i] for s in specs) for i in range(k)]
+    t_steps = [x for s in specs for x in s["target_step_s"]]
+    d_steps = [x for s in specs for x in s["drafter_step_s"]]
+    b_steps = [x for b in bases for x in b["step_s"]]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    tau = sum(a + 1 for a in accepted) / steps if steps else None
+    t_ms, d_ms = mean(t_steps), mean(d_steps)
+    c = d_ms / t_ms if t_ms and d_ms is not None else None
+    spec_tok, spec_wall = sum(s["new_tokens"] for s in specs), sum(s["wall_s"] for s in specs)
+    base_tok, base_wall = sum(b["new_tokens"] for b in bases), sum(b["wall_s"] for b in bases)
+    spec_tps = spec_tok / spec_wall if spec_wall > 0 else None
+    base_tps = base_tok / base_wall if base_wall > 0 else None
+    hist = [0] * (k + 1)
+    for a in accepted:
+        hist[a] += 1
+    same = [r["identical"] for r in rows if r.get("identical") is not None]
+    return {
+        "turns": len(rows),
+        "target_steps": steps,
+        "new_tokens": spec_tok,
+        "k": k,
+        "tau": tau,
+        "acceptance_per_position": [o / r if r else None for o, r in zip(ok, reached)],
+        "position_reached": reached,
+        "position_accepted": ok,
+        "accepted_histogram": hist,
+        "target_step_ms": t_ms * 1e3 if t_ms is not None else None,
+        "drafter_step_ms": d_ms * 1e3 if d_ms is not None else None,
+        "baseline_step_ms": mean(b_steps) * 1e3 if b_steps else None,
+        # a verification (k+1 tokens) over a one-token decode step: why measured < ideal on compute-bound hardware
+        "verify_over_decode": t_ms / mean(b_steps) if t_ms and b_steps else None,
+        "cost_ratio_c": c,
+        "ideal_speedup": tau / (1 + k * c) if tau is not None and c is not None else None,
+        "spec_tokens_per_s": spec_tps,
+        "baseline_tokens_per_s": base_tps,
+        "measured_speedup": spec_tps / base_tps if spec_tps and base_tps else None,
+        "identical_to_baseline": (sum(same) / len(same)) if same else None,
+    }
+
+
+# ---------------------------------------------------------------- loading
+
+
+def drafter_config_from_export(config: dict[str, Any], num_hidden_layers: int | None = None) -> DrafterConfig:
+    """An export's config.json (vLLM layout, or speculators' with `transformer_layer_config`) -> DrafterConfig."""
+    layer = config.get("transformer_layer_config") or config
+    hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
+    aux = config.get("eagle_aux_hidden_state_layer_ids")
+    if aux is None:
+        if num_hidden_layers is None:
+            raise InputError("export config has no eagle_aux_hidden_state_layer_ids and the target's depth is unknown")
+        aux = default_aux_layer_ids(num_hidden_layers)
+    return DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=int(layer["intermediate_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+        head_dim=int(layer.get("head_dim") or hidden // heads),
+        target_vocab_size=int(layer["vocab_size"]),
+        draft_vocab_size=int(config.get("draft_vocab_size") or layer["vocab_size"]),
+        aux_layer_ids=[int(i) for i in aux],
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(layer.get("rope_theta") or 10000.0),
+        rope_scaling=layer.get("rope_scaling"),
+        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
+        target_hidden_size=int(config.get("target_hidden_size") or hidden),
+        norm_before_residual=bool(config.get("norm_before_residual", False)),
+        target_num_hidden_layers=num_hidden_layers,
+    )
+
+
+def load_eval_drafter(path: str | os.PathLike[str], target: Any, device: torch.device | None = None
+                      ) -> Eagle3Drafter:
+    """A training checkpoint (drafter_config.json) or an export dir (config.json, vLLM or speculators
+    format), checked against the target; an export without embed_tokens gets the target's embedding."""
+    from ..drafter.export import load_exported
+    from ..drafter.train import load_drafter
+
+    p = Path(path)
+    device = device or torch.device(target.device)
+    if (p / "drafter_config.json").is_file():
+        drafter = load_drafter(p)
+    elif (p / "config.json").is_file():
+        sd, config = load_exported(p)
+        dcfg = drafter_config_from_export(config, target.num_hidden_layers)
+        drafter = Eagle3Drafter(dcfg)
+        sd = dict(sd)
+        if "embed_tokens.weight" not in sd:  # engines share the target's embedding; so do we
+            sd["embed_tokens.weight"] = target.embed_tokens.weight.detach().float().cpu()
+        missing, unexpected = drafter.load_state_dict(sd, strict=False)
+        if missing or unexpected:
+            raise InputError(f"{p}: drafter weights do not match its config: missing {missing}, "
+                             f"unexpected {unexpected}")
+    else:
+        raise InputError(f"{p}: neither a training checkpoint (drafter_config.json) nor an export (config.json)")
+    c = drafter.config
+    problems = []
+    if c.target_vocab_size != target.vocab_size:
+        problems.append(f"target vocab {target.vocab_size} != the drafter's {c.target_vocab_size}")
+    if c.target_hidden_size != target.hidden_size:
+        problems.append(f"target hidden size {target.hidden_size} != the drafter's {c.target_hidden_size}")
+    if c.target_num_hidden_layers is not None and c.target_num_hidden_layers != target.num_hidden_layers:
+        problems.append(f"target layers {target.num_hidden_layers} != the drafter's {c.target_num_hidden_layers}")
+    if problems:
+        raise InputError(f"{p}: drafter trained for another target: " + "; ".join(problems))
+    dtype = target.dtype if device.type == "cuda" else torch.float32
+    return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _latest_drafter(campaign: Campaign) -> Path:
+    """The newest of the latest training checkpoint and the exports, by weight-file mtime."""
+    from ..drafter.train import latest_checkpoint
+
+    root = campaign.root / "drafter"
+    cands = [p for p in (latest_checkpoint(root), root / "export" / "vllm", root / "export" / "speculators")
+             if p is not None and (p / "model.safetensors").is_file()]
+    if not cands:
+        raise InputError(f"no drafter under {root} (no checkpoint, no export): run `specops train` first, "
+                         "or set eval.drafter")
+    return max(cands, key=lambda p: (p / "model.safetensors").stat().st_mtime)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+
+    def add(v: Any) -> None:
+        if isinstance(v, (list, tuple, set)):
+            for x in v:
+                add(x)
+        elif v is not None:
+            ids.add(int(v))
+
+    add(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    add(getattr(model.config, "eos_token_id", None))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return frozenset(ids)
+
+
+# ---------------------------------------------------------------- datasets
+
+
+def _eval_sections(cfg: Config) -> list[DatasetSection]:
+    base = cfg.source_path.parent if cfg.source_path else Path.cwd()
+    out = []
+    for entry in cfg.eval.datasets:
+        name, source, path = parse_eval_dataset(entry)
+        if path is not None:
+            path = str((base / path).resolve()) if not Path(path).is_absolute() else path
+        out.append(DatasetSection(name=name, source=source, path=path, format="auto",
+                                  limit=cfg.eval.limit_per_dataset))
+    return out
+
+
+def _resolved(paths: Iterable[str]) -> set[str]:
+    out = set()
+    for p in paths:
+        with contextlib.suppress(OSError):
+            out.add(str(Path(p).resolve()))
+    return out
+
+
+def check_not_trained_on(cfg: Config, evals: list[DatasetSection], eval_paths: dict[str, list[str]]) -> None:
+    """Refuse an eval set that a training dataset also reads: the same built-in source (same path or
+    both default), or any shared input file."""
+    from ..generate.sources import open_source
+
+    for ev in evals:
+        mine = _resolved(eval_paths.get(ev.name, []))
+        for tr in cfg.datasets:
+            same_source = ev.source != "file" and tr.source == ev.source and (
+                tr.path is None or ev.path is None or _resolved([tr.path]) == _resolved([ev.path]))
+            shared: set[str] = set()
+            if not same_source:
+                try:
+                    shared = mine & _resolved(open_source(tr).paths)
+                except SpecopsError:  # a training input that cannot be opened now: compare the config only
+                    shared = mine & _resolved([tr.path] if tr.path else [])
+            if same_source or shared:
+                what = f"source {tr.source!r}" if same_source else f"file {sorted(shared)[0]}"
+                raise ConfigError(f"eval.datasets: {ev.name!r} was used in training (datasets {tr.name!r}, {what}); "
+                                  "evaluate on a held-out set, never a set used in training")
+
+
+def _prompt_key(messages: list[dict[str, Any]]) -> str | None:
+    """The first user message's text, whitespace-normalised and hashed: the same question however
+    the set that holds it names or wraps it (Spec-Bench carries MT-bench's 80 questions)."""
+    import hashlib
+
+    for m in messages:
+        if m.get("role") == "user" and isinstance(m.get("content"), str):
+            return hashlib.sha256(" ".join(m["content"].split()).encode()).hexdigest()[:32]
+    return None
+
+
+def prompts_seen_in_training(cfg: Config, sources: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """{eval dataset: {sample id: training dataset}} for eval prompts whose first user message is
+    also a prompt of a training dataset (each read as generate read it, its limit included).
+    Streams the training sources once; a source that cannot be opened now is skipped with a warning."""
+    from ..generate.sources import open_source
+    from ..generate.types import Sample
+
+    want: dict[str, list[tuple[str, str]]] = {}
+    for name, src in sources.items():
+        for item in src:
+            if isinstance(item, Sample) and (key := _prompt_key(item.messages)) is not None:
+                want.setdefault(key, []).append((name, item.id))
+    seen: dict[str, dict[str, str]] = {}
+    for tr in cfg.datasets:
+        try:
+            for item in open_source(tr):
+                if isinstance(item, Sample):
+                    for name, sid in want.get(_prompt_key(item.messages) or "", ()):
+                        seen.setdefault(name, {}).setdefault(sid, tr.name)
+        except SpecopsError as e:
+            log.warning("cannot read training dataset %r to check eval prompts against it: %s", tr.name, e)
+    return seen
+
+
+def _turns(messages: list[dict[str, Any]]) -> Iterable[tuple[list[dict[str, Any]], int]]:
+    """(history up to and including a user message, turn index) for every user message; the
+    caller appends the generated answer to the same history list. Source assistant messages are
+    dropped: every assistant turn is generated (MT-bench's turn 2 sees the model's own turn 1)."""
+    history: list[dict[str, Any]] = []
+    turn = 0
+    for msg in messages:
+        if msg.get("role") == "assistant":
+            continue
+        history.append({"role": msg["role"], "content": msg.get("content", "")})
+        if msg.get("role") == "user":
+            yield history, turn
+            turn += 1
+
+
+# ---------------------------------------------------------------- the phase
+
+
+def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
+    if hasattr(out, "keys"):
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def run_eval(cfg: Config, campaign: Campaign, *, drafter_dir: str | os.PathLike[str] | None = None,
+             lock: bool = True, target: Any = None) -> dict[str, Any]:
+    """The eval phase: measured tau and speedup per dataset -> eval/<dataset>.json, eval/summary.json.
+
+    `drafter_dir` (else eval.drafter, else the campaign's latest checkpoint or export). `target`
+    reuses a loaded extract.TargetModel. Returns the summary.
+    """
+    from ..generate.sources import open_source
+
+    ec = cfg.eval
+    evals = _eval_sections(cfg)
+    sources = {}
+    for ds in evals:
+        sources[ds.name] = open_source(ds, default_system_prompt=cfg.generate.system_prompt)
+    check_not_trained_on(cfg, evals, {n: s.paths for n, s in sources.items()})
+    seen = prompts_seen_in_training(cfg, sources)
+    for name, ids in seen.items():
+        log.warning("eval %s: %d prompt(s) also in training data are left out: %s", name, len(ids), sorted(ids)[:5])
+    dpath = Path(drafter_dir or ec.drafter or _latest_drafter(campaign))
+    out_dir = campaign.root / "eval"
+    lockctx = RunLock(campaign, "eval") if lock else contextlib.nullcontext()
+    with lockctx:
+        campaign.set_phase("eval", "running", pid=os.getpid(), drafter=str(dpath))
+        try:
+            summary = _run(cfg, evals, sources, seen, dpath, out_dir, target)
+        except BaseException as e:
+            campaign.set_phase("eval", "failed", error=f"{type(e).__name__}: {e}")
+            raise
+        o = summary["overall"]
+        campaign.set_phase("eval", "done", tau=o["tau"], spec_tokens_per_s=o["spec_tokens_per_s"],
+                           measured_speedup=o["measured_speedup"], go=summary["verdict"]["go"],
+                           verdict=summary["verdict"]["line"], summary=str(out_dir / "summary.json"))
+    return summary
+
+
+def _run(cfg: Config, evals: list[DatasetSection], sources: dict[str, Any], seen: dict[str, dict[str, str]],
+         dpath: Path, out_dir: Path, target: Any) -> dict[str, Any]:
+    import transformers
+    from transformers import AutoTokenizer
+
+    from .. import __version__
+    from ..extract import load_target
+    from ..generate.types import Quarantined
+    from ..models import resolve_device, resolve_model_dir
+
+    ec = cfg.eval
+    t_phase = time.time()
+    if target is None:
+        device = resolve_device(ec.device)
+        target = load_target(resolve_model_dir(cfg.target.model), cfg.target.dtype, device)
+    device = torch.device(target.device)
+    tokenizer = AutoTokenizer.from_pretrained(str(cfg.target.tokenizer or target.model_dir))
+    drafter = load_eval_drafter(dpath, target, device)
+    runner = TargetRunner(target, drafter.config.aux_layer_ids)
+    eos = _eos_ids(target.model, tokenizer)
+    gen = torch.Generator(device=device).manual_seed(ec.seed)
+    template_kwargs = dict((cfg.generate.extra_body or {}).get("chat_template_kwargs") or {})
+    k, T = ec.k, ec.temperature
+
+    # Warm-up (allocator, kernels, lazy init): timings below are steady-state.
+    warm = _prompt_ids(tokenizer, [{"role": "user", "content": "Hello"}], template_kwargs)
+    speculative_generate(runner, drafter, warm, k=k, max_new_tokens=min(8, ec.max_new_tokens), temperature=T,
+                         eos_ids=eos, gen=gen)
+    target_generate(runner, warm, max_new_tokens=min(8, ec.max_new_tokens), temperature=T, eos_ids=eos, gen=gen)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    per_ds: dict[str, Any] = {}
+    all_rows: list[dict[str, Any]] = []
+    for ds in evals:
+        src = sources[ds.name]
+        rows: list[dict[str, Any]] = []
+        quarantined: list[dict[str, Any]] = []
+        t_ds = time.time()
+        for item in src:
+            if isinstance(item, Quarantined):
+                quarantined.append({"where": item.where, "reason": item.reason})
+                continue
+            if item.id in seen.get(ds.name, {}):
+                continue
+            for history, turn in _turns(item.messages):
+                ids = _prompt_ids(tokenizer, history, template_kwargs)
+                spec = speculative_generate(runner, drafter, ids, k=k, max_new_tokens=ec.max_new_tokens,
+                                            temperature=T, eos_ids=eos, gen=gen)
+                base = target_generate(runner, ids, max_new_tokens=ec.max_new_tokens, temperature=T,
+                                       eos_ids=eos, gen=gen)
+                answer = tokenizer.decode([t for t in spec.tokens if t not in eos], skip_special_tokens=True)
+                history.append({"role": "assistant", "content": answer})
+                sj = spec.to_json()
+                rows.append({"id": item.id, "turn": turn, "prompt_tokens": len(ids), "answer": answer,
+                             "spec": sj, "baseline": base.to_json(),
+                             "identical": (spec.tokens == base.tokens) if T == 0 else None})
+                log.info("%s turn %d: %d tokens, tau %.2f, %.1f vs %.1f tok/s", item.id, turn, len(spec.tokens),
+                         sj["tau"] or 0.0, sj["tokens_per_s"] or 0.0, rows[-1]["baseline"]["tokens_per_s"] or 0.0)
+        if not rows:
+            raise InputError(f"eval dataset {ds.name!r}: no usable prompt ({len(quarantined)} quarantined)")
+        metrics = summarize(rows, k)
+        per_ds[ds.name] = {**metrics, "prompts": len({r["id"] for r in rows}), "quarantined": len(quarantined),
+                           "excluded_seen_in_training": len(seen.get(ds.name, {})),
+                           "elapsed_s": round(time.time() - t_ds, 3)}
+        atomic_write_json(out_dir / f"{ds.name}.json", {
+            "dataset": ds.name, "source": ds.source, "paths": sources[ds.name].paths, "drafter": str(dpath),
+            "k": k, "temperature": T, "max_new_tokens": ec.max_new_tokens, "summary": per_ds[ds.name],
+            "quarantined": quarantined, "excluded_seen_in_training": seen.get(ds.name, {}), "rows": rows,
+        })
+        all_rows.extend(rows)
+    overall = summarize(all_rows, k)
+    v = verdict(overall, baseline_tokens_per_s=ec.baseline_tokens_per_s, min_tau=ec.min_tau)
+    summary = {
+        "format": "specops-eval-v1",
+        "finished": now_iso(),
+        "elapsed_s": round(time.time() - t_phase, 3),
+        "target": str(target.model_dir),
+        "drafter": str(dpath),
+        "aux_layer_ids": drafter.config.aux_layer_ids,
+        "aux_layer_convention": "input-to-layer (= HF hidden_states index)",
+        "device": str(device),
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "k": k,
+        "temperature": T,
+        "max_new_tokens": ec.max_new_tokens,
+        "seed": ec.seed,
+        "datasets": per_ds,
+        "overall": overall,
+        "baseline_tokens_per_s_line": ec.baseline_tokens_per_s,
+        "min_tau": ec.min_tau,
+        "verdict": v,
+        "definitions": {
+            "tau": "mean accepted tokens per target step, the target's own token included",
+            "acceptance_per_position": "P(draft i accepted | drafts 1..i-1 accepted)",
+            "cost_ratio_c": "drafter time per draft token / target verification step time",
+            "ideal_speedup": "tau / (1 + k·c), which assumes a verification costs one decode step",
+            "verify_over_decode": "verification step time / one-token decode step time",
+            "measured_speedup": "speculative tokens/s / in-process target-only tokens/s (wall clock, prefill included)",
+        },
+        "versions": {"specops": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    atomic_write_json(out_dir / "summary.json", summary)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..config import load_config
+
+    ap = argparse.ArgumentParser(prog="python -m specops.evaluate", description=__doc__.split("\n")[0])
+    ap.add_argument("campaign", help="campaign directory (holds campaign.toml)")
+    ap.add_argument("--drafter", help="an export dir or training checkpoint (default: eval.drafter, else the latest)")
+    ap.add_argument("--no-report", action="store_true", help="skip eval/report.md and report.html")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        camp = Campaign(args.campaign)
+        if not camp.config_path.is_file():
+            raise InputError(f"{camp.config_path}: not found (is {camp.root} a campaign directory?)")
+        cfg = load_config(camp.config_path)
+        summary = run_eval(cfg, camp, drafter_dir=args.drafter)
+        if not args.no_report:
+            from .report import write_report
+
+            md, html = write_report(camp)
+            print(f"report: {md}\n        {html}", file=sys.stderr)
+    except SpecopsError as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return e.exit_code
+    print(json.dumps({"overall": summary["overall"], "verdict": summary["verdict"]}, indent=1))
+    return 0 if summary["verdict"]["go"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

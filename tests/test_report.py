@@ -1,0 +1,141 @@
+"""eval/report.md + a self-contained eval/report.html from the files the stages write (no torch, no model)."""
+
+from __future__ import annotations
+
+import json
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from specops.campaign import Campaign
+from specops.evaluate.report import bar_chart, generate_throughput, line_chart, training_curves, verdict, write_report
+
+T0 = 1_700_000_040  # a whole minute (divisible by 60)
+
+
+def overall(tau: float, tps: float, base: float = 50.0, k: int = 3) -> dict:
+    return {
+        "turns": 4, "target_steps": 20, "new_tokens": 64, "k": k, "tau": tau,
+        "acceptance_per_position": [0.8, 0.6, 0.4][:k], "position_reached": [20, 16, 10],
+        "position_accepted": [16, 10, 4], "accepted_histogram": [4, 6, 6, 4],
+        "target_step_ms": 30.0, "drafter_step_ms": 2.0, "baseline_step_ms": 25.0, "cost_ratio_c": 2 / 30,
+        "ideal_speedup": tau / (1 + k * 2 / 30), "spec_tokens_per_s": tps, "baseline_tokens_per_s": base,
+        "measured_speedup": tps / base, "identical_to_baseline": 1.0,
+    }
+
+
+def make_campaign(root: Path, *, eval_toml: str, tau: float = 3.2, tps: float = 171.0, with_eval: bool = True
+                  ) -> Campaign:
+    root.mkdir(parents=True)
+    (root / "campaign.toml").write_text(f"[campaign]\nname = \"r\"\n\n[eval]\n{eval_toml}\n")
+    if with_eval:
+        (root / "eval").mkdir()
+        o = overall(tau, tps)
+        summary = {"format": "specops-eval-v1", "target": "/models/t", "drafter": "/c/drafter/export/vllm",
+                   "k": 3, "temperature": 0.0, "max_new_tokens": 64, "device": "cpu", "dtype": "float32",
+                   "datasets": {"mtbench": {**o, "prompts": 2}, "humaneval": {**overall(tau - 0.4, tps), "prompts": 2}},
+                   "overall": o, "baseline_tokens_per_s_line": None, "min_tau": None}
+        (root / "eval" / "summary.json").write_text(json.dumps(summary))
+    d = root / "drafter"
+    d.mkdir()
+    rows = []
+    for step in range(1, 31):
+        rows.append({"step": step, "split": "train", "loss": 4.0 / step, "acc": [0.5, 0.5, 0.5]})
+        if step % 10 == 0:
+            rows.append({"step": step, "split": "val", "loss": 4.0 / step + 0.2, "acc": [0.6] * 3,
+                         "tau": 1.5 + step / 30})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, offsets, tokens in (("a", [0, 10, 59, 125], [600, 600, 600, 1200]), ("b", [30], [300])):
+        g = root / "generate" / name
+        g.mkdir(parents=True)
+        lines = [json.dumps({"id": f"{name}/{i}", "finished_unix": T0 + o, "usage": {"completion_tokens": t}})
+                 for i, (o, t) in enumerate(zip(offsets, tokens))]
+        (g / "records.jsonl").write_text("\n".join(lines) + "\n" + '{"id": "a/torn", "finis')  # a torn last line
+    return Campaign(root)
+
+
+def svgs(text: str) -> list[str]:
+    return re.findall(r"<svg.*?</svg>", text, flags=re.S)
+
+
+def test_report_go_self_contained_with_plots(tmp_path):
+    camp = make_campaign(tmp_path / "c", eval_toml="baseline_tokens_per_s = 90.0")
+    md, html = write_report(camp)
+    assert md == camp.root / "eval" / "report.md" and html == camp.root / "eval" / "report.html"
+    line = "GO: 1.90x vs 90 tok/s baseline (171.0 tok/s, tau 3.20)"
+    page, text = html.read_text(), md.read_text()
+    assert line in page and line in text
+    # self-contained: no URL of any kind, no script, no external reference
+    assert "http://" not in page and "https://" not in page
+    assert not re.search(r"<script|<link|<img|\bsrc=|\bhref=", page)
+    inline = svgs(page)
+    assert len(inline) == 6  # acceptance, tau, throughput, train loss, train tau, generate throughput
+    for s in inline:
+        ET.fromstring(s)  # well-formed
+    names = re.findall(r"\]\(plots/([a-z_]+)\.svg\)", text)
+    assert names == ["acceptance", "tau", "throughput", "train_loss", "train_tau", "generate_throughput"]
+    for n in names:
+        root = ET.fromstring((camp.root / "eval" / "plots" / f"{n}.svg").read_text())
+        assert root.tag == "{http://www.w3.org/2000/svg}svg"  # the standalone files carry the namespace
+    assert "| mtbench | 2 | 4 | 3.200 | 0.800 | 0.400 |" in text
+    assert "| humaneval | 2 | 4 | 2.800 |" in text
+    assert "Last validation: step 30, simulated tau 2.500." in text
+    assert "| a | 4 | 3000 |" in text and "| b | 1 | 300 |" in text  # the torn line is skipped
+    assert "baseline 90 tok/s" in page  # the go/no-go line drawn on the throughput plot
+
+
+def test_report_no_go_lines(tmp_path):
+    camp = make_campaign(tmp_path / "c", eval_toml="baseline_tokens_per_s = 90.0\nmin_tau = 2.5", tau=2.1, tps=80.0)
+    _, html = write_report(camp)
+    assert "NO-GO: 80.0 tok/s &lt; 90 tok/s baseline; tau 2.10 &lt; 2.5" in html.read_text()
+    assert "**NO-GO: 80.0 tok/s < 90 tok/s baseline; tau 2.10 < 2.5**" in (camp.root / "eval" / "report.md").read_text()
+    assert "min_tau 2.5" in html.read_text()  # the line on the tau plot
+
+
+def test_report_without_eval_still_renders(tmp_path):
+    camp = make_campaign(tmp_path / "c", eval_toml="min_tau = 2.0", with_eval=False)
+    md, html = write_report(camp)
+    assert "NO-GO: no eval results" in md.read_text()
+    assert len(svgs(html.read_text())) == 3  # training loss, training tau, generate throughput
+
+
+def test_verdict_rules():
+    o = overall(3.0, 120.0, base=60.0)
+    assert verdict(o, baseline_tokens_per_s=None, min_tau=None)["line"].startswith(
+        "GO: 2.00x vs the in-process target-only baseline")
+    assert verdict(o, baseline_tokens_per_s=None, min_tau=3.5) == {
+        "go": False, "line": "NO-GO: tau 3.00 < 3.5",
+        "checks": [{"check": "tau", "value": 3.0, "line": 3.5, "ok": False}]}
+    slow = overall(1.1, 40.0, base=60.0)
+    v = verdict(slow, baseline_tokens_per_s=None, min_tau=None)
+    assert not v["go"] and "0.67x <= 1x" in v["line"]
+    assert verdict(o, baseline_tokens_per_s=100.0, min_tau=2.0)["go"]
+
+
+def test_generate_throughput_buckets_per_minute(tmp_path):
+    camp = make_campaign(tmp_path / "c", eval_toml="")
+    gt = generate_throughput(camp.root / "generate")
+    # a: 600+600+600 tokens in minute 0, nothing in minute 1, 1200 in minute 2; b: 300 in minute 0
+    assert gt["series"]["a"] == [(0.0, 30.0), (1.0, 0.0), (2.0, 20.0)]
+    assert gt["series"]["b"] == [(0.0, 5.0), (1.0, 0.0), (2.0, 0.0)]
+    assert gt["series"]["total"] == [(0.0, 35.0), (1.0, 0.0), (2.0, 20.0)]
+    assert gt["totals"] == {"a": {"records": 4, "completion_tokens": 3000},
+                            "b": {"records": 1, "completion_tokens": 300}}
+
+
+def test_training_curves_simulate_tau_from_acc(tmp_path):
+    camp = make_campaign(tmp_path / "c", eval_toml="")
+    c = training_curves(camp.root / "drafter" / "metrics.jsonl")
+    assert len(c["train_loss"]) == 30 and len(c["val_loss"]) == 3
+    assert c["train_tau"][0] == (1, pytest.approx(1 + 0.5 + 0.25 + 0.125))  # 1 + sum_k prod_{i<=k} acc_i
+    assert c["val_tau"][-1] == (30, 2.5)  # val rows carry tau: taken as written
+
+
+def test_charts_are_well_formed_with_edge_cases():
+    for svg in (line_chart("t", {"a": [], "b": [(1, None), (2, 3.0)]}, xlabel="x", ylabel="y"),
+                line_chart("t", {"a": [(0, 1.0), (1, 1.0)]}, xlabel="x", ylabel="y", standalone=False),
+                bar_chart("t", [("a", None), ("b", 0.0)], ylabel="y"),
+                bar_chart("t & <x>", [("a", 2.0)], ylabel="y", hlines=[("line", 5.0)])):
+        ET.fromstring(svg)
