@@ -156,3 +156,38 @@ def test_turn_modes(tmp_path, mode, roles, sent_last):
     assert reqs[0]["body"]["messages"][-1]["content"] == sent_last
     if mode == "last":
         assert rec["messages"][2]["content"] == "old answer"  # the original answer stays as history
+
+
+def test_prometheus_exporter_on_loopback(tmp_path):
+    import threading
+    import urllib.request
+
+    from specops.serverproc import free_port
+
+    write_prompts(tmp_path / "prompts.jsonl", 30)
+    port = free_port()
+    seen: list[str] = []
+    script = [{"match": "^ds/.*", "fault": "delay", "seconds": 0.1}]
+    with start_fake_server(tmp_path / "srv", model="fake-model", script=script) as srv:
+        cfg = make_cfg(tmp_path, srv.url, tmp_path / "prompts.jsonl")
+        cfg.monitor.metrics_port = port
+
+        def scrape() -> None:
+            import time
+
+            for _ in range(100):
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                        seen.append(r.read().decode())
+                        return
+                except OSError:
+                    time.sleep(0.05)
+
+        t = threading.Thread(target=scrape)
+        t.start()
+        run_generate(cfg, progress=False)
+        t.join()
+    assert seen, "the exporter never answered"
+    text = seen[0]
+    assert 'specops_samples_total{dataset="ds"} 30' in text
+    assert "# TYPE specops_completion_tokens_total counter" in text

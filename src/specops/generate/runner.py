@@ -553,7 +553,10 @@ class Runner:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig.name)
         hb_task = None
+        exporter = None
         try:
+            if self.cfg.monitor.metrics_port:
+                exporter = await self._start_exporter()
             if self.manage_engine:
                 await self.engine.start()
             self.heartbeat()
@@ -588,6 +591,8 @@ class Runner:
             if hb_task:
                 hb_task.cancel()
                 await asyncio.gather(hb_task, return_exceptions=True)
+            if exporter is not None:
+                await exporter.cleanup()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             if self._progress is not None:
@@ -620,6 +625,46 @@ class Runner:
         if self.stop.is_set():
             raise Interrupted(f"generate {self.stop_reason}; rerun the same command to resume")
         return summary
+
+    # ---------------------------------------------------------------- Prometheus exporter
+    def metrics_text(self) -> str:
+        """Campaign metrics in the Prometheus text format (served on monitor.metrics_port)."""
+        lines = []
+
+        def metric(name: str, kind: str, help_: str, rows: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP specops_{name} {help_}")
+            lines.append(f"# TYPE specops_{name} {kind}")
+            lines.extend(f"specops_{name}{{{labels}}} {value}" for labels, value in rows)
+
+        per = [(f'dataset="{n}"', r) for n, r in self.runs.items()]
+        metric("samples_done_total", "counter", "samples recorded", [(lb, r.journal.stats.done) for lb, r in per])
+        metric("samples_failed", "gauge", "samples parked in failed.jsonl", [(lb, r.journal.stats.failed) for lb, r in per])
+        metric("samples_quarantined", "gauge", "bad input records", [(lb, r.journal.stats.quarantined) for lb, r in per])
+        metric("samples_total", "gauge", "samples in the input", [(lb, r.total) for lb, r in per])
+        metric("in_flight", "gauge", "samples being generated", [(lb, r.in_flight) for lb, r in per])
+        metric("completion_tokens_total", "counter", "generated tokens",
+               [(lb, r.journal.stats.completion_tokens) for lb, r in per])
+        metric("retries_total", "counter", "retried attempts", [(lb, r.journal.stats.retries) for lb, r in per])
+        metric("server_up", "gauge", "1 when the endpoint passes the health gate",
+               [(f'endpoint="{ep}"', 0 if sv.get("state") == "down" else 1) for ep, sv in self.servers.items()])
+        return "\n".join(lines) + "\n"
+
+    async def _start_exporter(self):
+        from aiohttp import web
+
+        m = self.cfg.monitor
+        app = web.Application()
+
+        async def handle(_req: web.Request) -> web.Response:
+            return web.Response(text=self.metrics_text(), content_type="text/plain")
+
+        app.router.add_get("/metrics", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, m.metrics_host, m.metrics_port)
+        await site.start()
+        log.info("campaign metrics on http://%s:%d/metrics", m.metrics_host, m.metrics_port)
+        return runner
 
     def _start_progress(self) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
