@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import subprocess
+import threading
 import time
 import urllib.request
 from typing import Any
@@ -34,6 +35,7 @@ class Alerter:
         self.timeout_s = timeout_s
         self._last: dict[str, float] = {}
         self.sent: list[dict[str, Any]] = []
+        self._threads: list[threading.Thread] = []
 
     @classmethod
     def from_config(cls, cfg, campaign: str) -> "Alerter":
@@ -57,6 +59,19 @@ class Alerter:
         data = json.dumps(payload).encode()
         self.sent.append(payload)
         log.warning("alert %s: %s", event, message)
+        # Hooks run on a thread: a slow hook must never freeze the runner's event loop.
+        t = threading.Thread(target=self._deliver, args=(event, message, data), name="specops-alert", daemon=True)
+        t.start()
+        self._threads.append(t)
+        return True
+
+    def wait(self, timeout: float = 15.0) -> None:
+        """Wait for alerts in delivery (at the end of a run, so a final alert is not cut off)."""
+        for t in self._threads:
+            t.join(timeout)
+        self._threads = [t for t in self._threads if t.is_alive()]
+
+    def _deliver(self, event: str, message: str, data: bytes) -> None:
         if self.command:
             try:
                 subprocess.run(
@@ -72,4 +87,3 @@ class Alerter:
                 urllib.request.urlopen(req, timeout=self.timeout_s).close()
             except OSError as e:
                 log.error("alert POST to %s failed: %s", self.url, e)
-        return True

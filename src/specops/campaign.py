@@ -36,12 +36,16 @@ def now_iso() -> str:
 def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave a temp file behind (e.g. on ENOSPC)
+        raise
     if fsync:
         _fsync_dir(path.parent)
 

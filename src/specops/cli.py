@@ -326,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.add_argument("--watch", action="store_true", help="live view")
     st.add_argument("--interval", type=float, default=2.0, help="--watch refresh seconds")
-    st.add_argument("--stall-s", type=float, default=300.0, help="in flight with no completion for this long = stalled")
+    st.add_argument("--stall-s", type=float, default=None,
+                    help="in flight with no completion for this long = stalled (default: the campaign's monitor.stall_s)")
     st.set_defaults(func=_cmd_status)
 
     b = sub.add_parser("build", help="merge, dedupe, shuffle, tokenize with loss masks; pick the draft vocab")
@@ -419,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except SpecopsError as e:
+        # Also into run/runner.log when a campaign log is attached (detached runs read it there).
+        for h in logging.getLogger("specops").handlers:
+            if isinstance(h, logging.FileHandler):
+                h.handle(logging.makeLogRecord({"name": "specops", "levelno": logging.ERROR, "levelname": "ERROR",
+                                                "msg": f"{type(e).__name__}: {e}"}))
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

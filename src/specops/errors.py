@@ -27,3 +27,7 @@ class Interrupted(SpecopsError):
     """SIGINT/SIGTERM stopped a phase cleanly; rerunning resumes it."""
 
     exit_code = 130
+
+
+class DiskFull(SpecopsError):
+    """No space left (ENOSPC, EDQUOT, EFBIG): what was written is consistent; rerun after freeing space."""

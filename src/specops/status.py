@@ -58,13 +58,16 @@ def _fmt_eta(seconds: float | None) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def collect(campaign_dir: str | Path, *, stall_s: float = 300.0, heartbeat_stale_s: float = 60.0,
+def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat_stale_s: float = 60.0,
             now: float | None = None) -> StatusReport:
+    """`stall_s` None: the campaign's own monitor.stall_s (the value its runner alerts on)."""
     camp = Campaign(campaign_dir)
     now = time.time() if now is None else now
     manifest = camp.read_manifest()
     if manifest is None:
         return StatusReport(str(camp.root), "new", [f"no campaign at {camp.root} (no manifest.json)"])
+    if stall_s is None:
+        stall_s = float(((manifest.get("config") or {}).get("monitor") or {}).get("stall_s", 600.0))
     hb = read_json(camp.heartbeat_path) or {}
     holder = lock_holder(camp)
     alive = bool(holder and holder.get("alive"))
@@ -127,6 +130,11 @@ def collect(campaign_dir: str | Path, *, stall_s: float = 300.0, heartbeat_stale
     else:
         state = hb.get("state") or ("finished" if all(v.get("state") == "done" for v in phases.values()
                                                       if v.get("state") != "pending") else "idle")
+        failed = [(p, v) for p, v in phases.items() if v.get("state") == "failed"]
+        if failed:
+            state = "failed"
+            for p, v in failed:
+                problems.append(f"phase '{p}' failed: {v.get('error', 'see run/runner.log')}")
 
     du = shutil.disk_usage(camp.root)
     forecast = _forecast_left(manifest)

@@ -48,20 +48,30 @@ def run_generate(cfg: Config, *, retry_failed: bool = False, progress: bool | No
         try:
             summary = _run_loop(main())
         except Interrupted:
-            campaign.set_phase("generate", "pending", interrupted_reason=runner.stop_reason)
+            _record_state(campaign, "pending", interrupted_reason=runner.stop_reason)
             raise
         except BaseException as e:
-            campaign.set_phase("generate", "failed", error=f"{type(e).__name__}: {e}")
             alerter.fire("failed", f"generate failed: {type(e).__name__}: {e}")
+            _record_state(campaign, "failed", error=f"{type(e).__name__}: {e}")
+            alerter.wait()
             raise
         alerter.fire("finished", f"generate finished: {summary.total_done} samples",
                      datasets={n: d["done"] for n, d in summary.datasets.items()})
+        alerter.wait()
         campaign.set_phase(
             "generate", "done",
             counts={n: {k: d[k] for k in ("done", "failed", "quarantined", "truncated")}
                     for n, d in summary.datasets.items()},
         )
         return summary
+
+
+def _record_state(campaign: Campaign, state: str, **extra) -> None:
+    """Record the phase's end state; a failure to write it (a full disk) must not hide the cause."""
+    try:
+        campaign.set_phase("generate", state, **extra)
+    except OSError as e:
+        log.error("could not record generate as %s in the manifest: %s", state, e)
 
 
 def _run_loop(coro):

@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from ..campaign import atomic_write_json, read_json
-from ..errors import SpecopsError
+from ..errors import DiskFull
 
 RECORDS = "records.jsonl"
 FAILED = "failed.jsonl"
@@ -36,10 +36,6 @@ QUARANTINE = "quarantine.jsonl"
 STATS = "stats.json"
 
 _ID_PREFIX = b'{"id":"'
-
-
-class DiskFull(SpecopsError):
-    """No space left for the journal; what was written is consistent, rerun after freeing space."""
 
 
 def dumps_line(obj: dict[str, Any]) -> bytes:
