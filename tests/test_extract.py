@@ -494,3 +494,124 @@ def test_other_plan_is_refused(tmp_path, llama_dir):
     cfg.extract.aux_layer_ids = [1, 3, 6]
     with pytest.raises(SpecopsError, match="another extraction plan"):
         run_extract(cfg, camp, split="val")
+
+
+# ----------------------------------------------------------------------------- pipeline failures
+
+
+def shard_files(d: Path) -> dict[str, str]:
+    return {q.name: sha256(q) for q in sorted(d.glob("shard-*.safetensors"))}
+
+
+@pytest.mark.parametrize(
+    "where, exc",
+    [("sha256", OSError), ("sha256", KeyboardInterrupt), ("write", OSError)],
+)
+def test_background_failure_raises_leaves_no_half_shard_and_rerun_completes(tmp_path, llama_dir, monkeypatch, where, exc):
+    import threading
+
+    from specops import extract
+
+    cfg, camp = make_campaign(tmp_path / "camp", llama_dir)
+    _, clean = make_campaign(tmp_path / "clean", llama_dir)
+    run_extract(cfg, clean, split="train")
+    expected = shard_files(clean.root / "features" / "train")
+    assert len(expected) >= 4
+
+    victim = ".shard-00-00001.safetensors.tmp"  # the second shard's temp file
+    if where == "sha256":  # the finalizer thread's read-back (also hashes build/, so match the name)
+        real = extract.sha256_file
+
+        def failing(path, *a, **k):
+            if Path(path).name == victim:
+                raise exc("injected finalize failure")
+            return real(path, *a, **k)
+
+        monkeypatch.setattr(extract, "sha256_file", failing)
+    else:  # the writer thread's pwrites of one batch
+        real_rows = extract._write_rows
+
+        def failing_rows(w, *a, **k):
+            if w.path.name == victim:
+                raise exc(28, "injected: no space left on device")
+            return real_rows(w, *a, **k)
+
+        monkeypatch.setattr(extract, "_write_rows", failing_rows)
+
+    from specops.errors import DiskFull
+
+    # ENOSPC from a write surfaces as DiskFull (one clear line); other failures as themselves.
+    want = DiskFull if where == "write" else exc
+    with pytest.raises(want, match="injected" if want is exc else "no space left"):
+        run_extract(cfg, camp, split="train")
+    # Every thread joined: nothing touches the directory after the raise.
+    assert not [t for t in threading.enumerate() if t.name.startswith(("shard-writer", "shard-finalize"))]
+    d = camp.root / "features" / "train"
+    finished = shard_files(d)
+    assert "shard-00-00001.safetensors" not in finished
+    for name, digest in finished.items():  # a final name only ever with its sidecar, and complete
+        done = json.loads((d / (name + ".done")).read_text())
+        assert done["sha256"] == digest == expected[name] and done["bytes"] == (d / name).stat().st_size
+    assert not (d / "index.json").exists()
+    assert camp.read_manifest()["phases"]["extract"]["state"] == "failed"
+
+    monkeypatch.undo()
+    mtimes = {n: (d / n).stat().st_mtime_ns for n in finished}
+    again = run_extract(cfg, camp, split="train")
+    assert again["splits"]["train"]["written"] == len(expected) - len(finished)
+    assert shard_files(d) == expected  # byte-identical to an uninterrupted run
+    assert {n: (d / n).stat().st_mtime_ns for n in finished} == mtimes  # finished shards never rewritten
+    index = json.loads((d / "index.json").read_text())
+    assert {sh["name"]: sh["sha256"] for sh in index["shards"]} == expected and index["complete"]
+    assert not list(d.glob(".*.tmp"))
+    assert camp.read_manifest()["phases"]["extract"]["state"] == "done"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_staging_slots_write_the_same_bytes(tmp_path, llama_dir, monkeypatch, dtype):
+    """The CUDA path's reused host slots (here plain CPU buffers, 2 slots, a slot grown past the
+    token budget by the 300-token sample) write exactly what the direct path writes."""
+    from specops import extract
+
+    cfg_a, direct = make_campaign(tmp_path / "direct", llama_dir, dtype=dtype)
+    cfg_b, staged = make_campaign(tmp_path / "staged", llama_dir, dtype=dtype)
+    run_extract(cfg_a, direct, split="both")
+    monkeypatch.setattr(extract, "_STAGE_CPU", True)
+    monkeypatch.setattr(extract, "_STAGING_SLOTS", 2)
+    run_extract(cfg_b, staged, split="both")
+    for split in ("train", "val"):
+        a, b = (c.root / "features" / split for c in (direct, staged))
+        assert shard_files(a) == shard_files(b) and len(shard_files(a)) >= 1
+
+
+def test_finalize_overlaps_the_next_shard(tmp_path, llama_dir, monkeypatch):
+    """Shard 0's sha256 read-back waits until shard 1's rows are being written: only a finalize off
+    the main thread lets that happen (a synchronous one would time out and be reported)."""
+    import threading
+
+    from specops import extract
+
+    cfg, camp = make_campaign(tmp_path / "camp", llama_dir)
+    next_shard_writing = threading.Event()
+    overlapped = []
+    real_sha, real_rows = extract.sha256_file, extract._write_rows
+
+    def rows(w, *a, **k):
+        if w.path.name == ".shard-00-00001.safetensors.tmp":
+            next_shard_writing.set()
+        return real_rows(w, *a, **k)
+
+    def sha(path, *a, **k):
+        if Path(path).name == ".shard-00-00000.safetensors.tmp":
+            overlapped.append(next_shard_writing.wait(timeout=30))
+        return real_sha(path, *a, **k)
+
+    monkeypatch.setattr(extract, "_write_rows", rows)
+    monkeypatch.setattr(extract, "sha256_file", sha)
+    summary = run_extract(cfg, camp, split="train")
+    assert overlapped == [True]
+    d = camp.root / "features" / "train"
+    index = json.loads((d / "index.json").read_text())
+    assert summary["splits"]["train"]["written"] == len(index["shards"])
+    for sh in index["shards"]:
+        assert sha256(d / sh["name"]) == sh["sha256"]

@@ -25,6 +25,12 @@ the sidecar records. The sidecar (sha256, bytes, plan key, timings) is written B
 `.<name>.tmp` is renamed, so the final name only ever appears complete. Finished shards are skipped,
 never rewritten; shards of a different plan (other layers, dtype, model, build, world size) are
 refused. Rank 0 writes `index.json` last, atomically, once every rank has passed the final barrier.
+
+Pipelining (`_Pipeline`): the main thread only launches work. Batch features go device->host into
+pinned slots without a sync; a writer thread pwrites them once their copy is done; a finalizer
+thread fsyncs, hashes, writes the sidecar and renames a shard while the next shard computes. The
+bytes and the order sidecar-then-rename are as above; a run joins both threads before any index,
+barrier or error exit, and a failure in either is raised by `run_extract`.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import argparse
 import collections
 import concurrent.futures
 import datetime
+import errno
 import hashlib
 import json
 import logging
@@ -50,7 +57,7 @@ from torch import nn
 
 from .campaign import Campaign, RunLock, atomic_write_json, read_json
 from .config import Config, load_config
-from .errors import ConfigError, InputError, SpecopsError
+from .errors import ConfigError, DiskFull, InputError, SpecopsError
 from .models import resolve_device, resolve_dtype
 from .models import resolve_model_dir
 
@@ -412,10 +419,16 @@ class ShardWriter:
 
 
 def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    """Hex sha256 of a file's bytes, read into one reused buffer (no fresh bytes object per block).
+
+    16 MiB as before: a smaller buffer hashes a little faster, but freeing it leaves glibc's mmap
+    threshold lower, which measurably slowed the CPU path's forwards (fp8 temporaries) afterwards.
+    """
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    buf = memoryview(bytearray(chunk))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(buf[:n])  # hashlib drops the GIL for large blocks
     return h.hexdigest()
 
 
@@ -580,10 +593,181 @@ def _check_extract_config(cfg: Config) -> None:
         raise ConfigError(f"extract.aux_layer_ids: EAGLE-3 takes exactly 3 layers, got {x.aux_layer_ids}")
 
 
+# Pipeline bounds (see `_Pipeline`). Pinned slots: each holds one batch's features (about
+# token_budget x bytes/token, ~1 GiB for an 8B target in bf16 at 32K tokens).
+_STAGING_SLOTS = 3
+_FINALIZE_DEPTH = 2  # shards written but not yet finalized, at most
+_STAGE_CPU = False  # tests: run the staging-slot path on CPU too (plain buffers, no events)
+
+
+@dataclass(eq=False)
+class _ShardJob:
+    """A shard being written: its temp file's writer and the write jobs queued for it."""
+
+    shard: Shard
+    writer: ShardWriter
+    tmp: Path
+    t0: float
+    writes: list[concurrent.futures.Future]
+    padded: int = 0
+
+
+class _Pipeline:
+    """Keeps the device busy while a run writes, hashes and syncs shards.
+
+    Main thread: builds a batch, launches its forward, queues the device->host copy of its features
+    and hands the rows to the writer thread; then goes on to the next batch at once. Writer thread
+    (one, FIFO): waits for the batch's copy (a CUDA event) and pwrites its rows. Finalizer thread
+    (one, FIFO): once a shard's writes are done, fsyncs + sha256s it, writes the sidecar, renames.
+
+    CUDA: features are copied non_blocking into a few pinned host slots, reused (pinning is costly);
+    a slot is handed out again only when the writer is done with it, so at most `_STAGING_SLOTS`
+    batches are in flight. CPU: the features are already on the host; one batch is written while
+    the next computes. At most `_FINALIZE_DEPTH` shards wait for or run their finalize.
+
+    Errors: a failed write or finalize is re-raised on the main thread (at the next batch or shard,
+    or at `join`). `abort` waits for every queued job, so no thread touches a shard after it returns.
+    """
+
+    def __init__(self, device: torch.device, token_budget: int):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        staged = self.pinned or _STAGE_CPU
+        self.slots: list[dict[str, torch.Tensor]] | None = [{} for _ in range(_STAGING_SLOTS)] if staged else None
+        self.free = collections.deque(range(_STAGING_SLOTS)) if staged else collections.deque()
+        self.max_inflight = _STAGING_SLOTS if staged else 1
+        self.min_tokens = token_budget  # a slot grows past one token budget only for a longer lone sample
+        self.writes: collections.deque[tuple[concurrent.futures.Future, int | None]] = collections.deque()
+        self.finals: collections.deque[concurrent.futures.Future] = collections.deque()
+        self.completed: list[dict[str, Any]] = []  # sidecars of shards finalized since `take_done`
+        self.current: _ShardJob | None = None  # the shard being written (no finalize owns it yet)
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-writer")
+        self._finalizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-finalize")
+
+    # -- batches
+
+    def input_ids(self, rows: list[torch.Tensor], T: int) -> torch.Tensor:
+        """[B, T] long, right-padded with id 0; on CUDA uploaded from pinned memory without a sync."""
+        x = torch.zeros(len(rows), T, dtype=torch.long, pin_memory=self.pinned)
+        for b, r in enumerate(rows):
+            x[b, : len(r)] = r
+        # The host block is not reused before the copy is done (the caching host allocator records it).
+        return x.to(self.device, non_blocking=True) if self.pinned else x
+
+    def write_batch(self, job: _ShardJob, rows: list[tuple[int, int, int]], feats: dict[str, torch.Tensor]) -> None:
+        """Queue rows (b, row offset in the shard, n tokens) of batch features `feats` [B, T, ...]."""
+        self.poll()
+        while len(self.writes) >= self.max_inflight:  # bound the batches in flight; frees a slot
+            self._reclaim()
+        slot, event = None, None
+        if self.slots is None:
+            feats = {k: v.cpu() for k, v in feats.items()}  # CPU: no copy
+        else:
+            slot = self.free.popleft()
+            feats, event = self._stage(self.slots[slot], feats)
+        fut = self._writer.submit(_write_rows, job.writer, rows, feats, event)
+        job.writes.append(fut)
+        self.writes.append((fut, slot))
+
+    def _stage(self, bufs: dict[str, torch.Tensor], feats: dict[str, torch.Tensor]):
+        out = {}
+        for key, v in feats.items():
+            need = v.numel() * v.element_size()
+            buf = bufs.get(key)
+            if buf is None or buf.numel() < need:
+                per_token = need // (v.shape[0] * v.shape[1])
+                bufs.pop(key, None)
+                del buf  # drop the old block before taking a bigger one
+                buf = bufs[key] = torch.empty(
+                    max(need, per_token * self.min_tokens), dtype=torch.uint8, pin_memory=self.pinned
+                )
+            dst = buf[:need].view(v.dtype).view(v.shape)
+            dst.copy_(v, non_blocking=self.pinned)
+            out[key] = dst
+        event = None
+        if self.pinned:
+            # The writer waits on this (blocking: it sleeps rather than spins); the copies were
+            # queued on the device's current stream, after the forward that produced `feats`.
+            event = torch.cuda.Event(blocking=True)
+            event.record(torch.cuda.current_stream(self.device))
+        return out, event
+
+    def _reclaim(self) -> None:
+        fut, slot = self.writes.popleft()
+        fut.result()  # a failed write surfaces here
+        if slot is not None:
+            self.free.append(slot)
+
+    # -- shards
+
+    def start_shard(self, job: _ShardJob) -> None:
+        self.poll()
+        self.current = job
+
+    def finish_shard(self, sp: _Split, job: _ShardJob) -> None:
+        """Hand the shard to the finalizer; waits only while `_FINALIZE_DEPTH` shards are ahead of it."""
+        self.current = None  # the finalize owns the writer now (it closes it)
+        self.finals.append(self._finalizer.submit(_finalize_shard, sp, job))
+        while len(self.finals) > _FINALIZE_DEPTH:
+            self.completed.append(self.finals.popleft().result())
+        self.poll()
+
+    def poll(self) -> None:
+        """Collect finished finalizes without waiting; re-raise the first failure."""
+        while self.finals and self.finals[0].done():
+            self.completed.append(self.finals.popleft().result())
+
+    def take_done(self) -> list[dict[str, Any]]:
+        done, self.completed = self.completed, []
+        return done
+
+    def join(self) -> list[dict[str, Any]]:
+        """Wait for every queued write and finalize (before an index or barrier); re-raise a failure."""
+        while self.writes:
+            self._reclaim()
+        while self.finals:
+            self.completed.append(self.finals.popleft().result())
+        return self.take_done()
+
+    def abort(self) -> None:
+        """After an error or interrupt: let every queued job end, then close the unfinished shard.
+
+        Finalizes already queued still run (their shards then count as finished on the next run);
+        their errors are logged, the caller re-raises its own.
+        """
+        for fut, _ in self.writes:
+            concurrent.futures.wait([fut])
+        self.writes.clear()
+        if self.current is not None:
+            for fut in self.current.writes:
+                concurrent.futures.wait([fut])
+            self.current.writer.close(sync=False)  # its temp file stays for the next run to overwrite
+            self.current = None
+        for fut in self.finals:
+            concurrent.futures.wait([fut])
+            if not fut.cancelled() and fut.exception() is not None:
+                log.error("finalizing a shard failed: %r", fut.exception())
+        self.finals.clear()
+
+    def shutdown(self) -> None:
+        self._writer.shutdown(wait=True)
+        self._finalizer.shutdown(wait=True)
+
+
+def _write_rows(
+    w: ShardWriter, rows: list[tuple[int, int, int]], feats: dict[str, torch.Tensor], event: Any
+) -> None:
+    if event is not None:
+        event.synchronize()  # the device->host copy of these features is complete
+    for b, row, n in rows:
+        for key, t in feats.items():
+            w.write(key, row, t[b, :n])
+
+
 def _extract_shard(
-    target: TargetModel, sp: _Split, s: Shard, layer_ids: list[int], dtype: str, token_budget: int
-) -> dict[str, Any]:
-    """Compute and write one shard; returns its sidecar (also written as <name>.done)."""
+    pipe: _Pipeline, target: TargetModel, sp: _Split, s: Shard, layer_ids: list[int], dtype: str, token_budget: int
+) -> None:
+    """Compute one shard and queue its writes, then its finalize (`_finalize_shard`); returns at once."""
     from safetensors import safe_open
 
     H = target.hidden_size
@@ -592,59 +776,64 @@ def _extract_shard(
     with safe_open(str(sp.build_path), framework="pt") as f:
         ids = f.get_slice("input_ids")[s.tok_start : s.tok_stop].to(torch.int32)
         mask = f.get_slice("loss_mask")[s.tok_start : s.tok_stop].to(torch.uint8)
-    final_path = sp.out_dir / s.name
     tmp = sp.out_dir / f".{s.name}.tmp"
     t0 = time.perf_counter()
     w = ShardWriter(tmp, s.n_tokens, s.n_samples, H, dtype)
+    job = _ShardJob(shard=s, writer=w, tmp=tmp, t0=t0, writes=[])
+    pipe.start_shard(job)  # from here on, `pipe.abort` closes the writer
     w.write("input_ids", 0, ids)
     w.write("loss_mask", 0, mask)
     w.write("offsets", 0, torch.tensor(offs, dtype=torch.int64))
     w.write("sample_index", 0, torch.arange(s.start, s.stop, dtype=torch.int64))
+    for batch in plan_batches(lengths, token_budget):
+        T = lengths[batch[0]]  # longest first: the batch max
+        x = pipe.input_ids([ids[offs[i] : offs[i + 1]] for i in batch], T)
+        job.padded += len(batch) * T
+        f = compute_features(target, x, layer_ids=layer_ids)
+        stored = to_storage(f["aux"], f["final"], dtype)
+        del f, x
+        pipe.write_batch(job, [(b, offs[i], lengths[i]) for b, i in enumerate(batch)], stored)
+        del stored
+    pipe.finish_shard(sp, job)
 
-    def write_batch(batch: list[int], feats: dict[str, torch.Tensor]) -> None:
-        for b, i in enumerate(batch):
-            n = lengths[i]
-            for key, t in feats.items():
-                w.write(key, offs[i], t[b, :n])
 
-    padded = 0
+def _finalize_shard(sp: _Split, job: _ShardJob) -> dict[str, Any]:
+    """Finalizer thread: wait for the shard's writes, fsync + sha256, sidecar, THEN rename; returns the sidecar."""
+    s, w, tmp = job.shard, job.writer, job.tmp
     try:
-        # One writer thread: the pwrites of batch j overlap the forward of batch j+1.
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as pool:
-            pending: collections.deque = collections.deque()
-            for batch in plan_batches(lengths, token_budget):
-                T = lengths[batch[0]]  # longest first: the batch max
-                x = torch.zeros(len(batch), T, dtype=torch.long)  # right padding with id 0
-                for b, i in enumerate(batch):
-                    x[b, : lengths[i]] = ids[offs[i] : offs[i + 1]]
-                padded += len(batch) * T
-                f = compute_features(target, x, layer_ids=layer_ids)
-                stored = to_storage(f["aux"], f["final"], dtype)
-                stored = {k: v.cpu() for k, v in stored.items()}  # device sync point
-                pending.append(pool.submit(write_batch, batch, stored))
-                while len(pending) > 1:
-                    pending.popleft().result()
-            for fut in pending:
-                fut.result()
-        w.close()
+        for fut in job.writes:
+            fut.result()
+        seconds = time.perf_counter() - job.t0
+        t1 = time.perf_counter()
+        # The read-back hashes the bytes while they are still in the page cache; the fsync runs
+        # alongside it. Both finish before the sidecar exists.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-fsync") as ex:
+            synced = ex.submit(os.fsync, w.fd)
+            digest = sha256_file(tmp)
+            synced.result()
+        if hasattr(os, "posix_fadvise"):  # clean now: let the kernel drop the pages (a hint only)
+            try:
+                os.posix_fadvise(w.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
     finally:
-        w.close(sync=False)  # no-op after a clean close; the temp file stays for the next run to overwrite
-    seconds = time.perf_counter() - t0
+        w.close(sync=False)  # the fd is closed once nothing uses it; the temp file stays on failure
     done = {
         "name": s.name,
         "g": s.g,
         "rank": s.rank,
         "n_samples": s.n_samples,
         "n_tokens": s.n_tokens,
-        "padded_tokens": padded,
+        "padded_tokens": job.padded,
         "bytes": w.nbytes,
-        "sha256": sha256_file(tmp),
+        "sha256": digest,
         "seconds": round(seconds, 3),
+        "finalize_seconds": round(time.perf_counter() - t1, 3),
         "plan_key": sp.plan_key,
         "plan": sp.plan,
     }
     atomic_write_json(sp.done_path(s), done)  # before the rename: the final name appears complete
-    os.replace(tmp, final_path)
+    os.replace(tmp, sp.out_dir / s.name)
     fd = os.open(sp.out_dir, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -693,6 +882,16 @@ def _write_index(sp: _Split, target_info: dict[str, Any], dtype: str, layer_ids:
     }
     atomic_write_json(sp.out_dir / "index.json", index)
     return index
+
+
+def _log_finished(split: str, dones: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for d in dones:
+        log.info(
+            "%s %s: %d samples, %d tokens, %.0f tokens/s, padding %.1f%%, finalized in %.1fs",
+            split, d["name"], d["n_samples"], d["n_tokens"], d["n_tokens"] / max(d["seconds"], 1e-9),
+            100 * (1 - d["n_tokens"] / max(d["padded_tokens"], 1)), d["finalize_seconds"],
+        )  # fmt: skip
+    return dones
 
 
 def _free_bytes(path: Path) -> int:
@@ -812,39 +1011,49 @@ def run_extract(
 
         summary: dict[str, Any] = {"mode": "offline", "rank": rank, "world_size": world, "splits": {}}
         bpt = feature_bytes_per_token(H, x.dtype)
-        for sp in splits:
-            written, tokens, padded, t0 = 0, 0, 0, time.perf_counter()
-            with torch.inference_mode():
-                for s in todo[sp.name]:
-                    done = _extract_shard(target, sp, s, layer_ids, x.dtype, x.token_budget)
-                    written += 1
-                    tokens += s.n_tokens
-                    padded += done["padded_tokens"]
-                    log.info(
-                        "%s %s: %d samples, %d tokens, %.0f tokens/s, padding %.1f%%",
-                        sp.name, s.name, s.n_samples, s.n_tokens, s.n_tokens / max(done["seconds"], 1e-9),
-                        100 * (1 - s.n_tokens / max(done["padded_tokens"], 1)),
+        pipe = _Pipeline(target.device, x.token_budget) if target is not None else None
+        try:
+            for sp in splits:
+                t0 = time.perf_counter()
+                dones: list[dict[str, Any]] = []  # sidecars of the shards this run finished, as they finish
+                try:
+                    with torch.inference_mode():
+                        for s in todo[sp.name]:
+                            assert pipe is not None
+                            _extract_shard(pipe, target, sp, s, layer_ids, x.dtype, x.token_budget)
+                            dones += _log_finished(sp.name, pipe.take_done())
+                    if pipe is not None:  # every shard of this rank finished before the barrier/index
+                        dones += _log_finished(sp.name, pipe.join())
+                except BaseException:
+                    if pipe is not None:
+                        pipe.abort()  # let the writer and finalizer end; then re-raise (KeyboardInterrupt too)
+                    raise
+                written = len(dones)
+                tokens = sum(d["n_tokens"] for d in dones)
+                padded = sum(d["padded_tokens"] for d in dones)
+                elapsed = time.perf_counter() - t0
+                barrier()
+                entry = {
+                    "shards": len(sp.shards),
+                    "written": written,
+                    "skipped": sum(1 for s in sp.shards if s.rank == rank) - written,
+                    "tokens_written": tokens,
+                    "tokens_per_s": round(tokens / elapsed, 1) if written else None,
+                    "padding_waste": round(1 - tokens / padded, 4) if padded else 0.0,
+                    "bytes_per_token": bpt,
+                }
+                if rank == 0:
+                    old = read_json(sp.out_dir / "index.json")
+                    if unfinished[sp.name] or not (old and old.get("complete") and old.get("plan_key") == sp.plan_key):
+                        old = _write_index(sp, target_info, x.dtype, layer_ids, bpt)
+                    entry.update(
+                        n_samples=old["n_samples"], n_tokens=old["n_tokens"], bytes=old["bytes"],
+                        index=str(sp.out_dir / "index.json"), total_padding_waste=old["stats"]["padding_waste"],
                     )  # fmt: skip
-            elapsed = time.perf_counter() - t0
-            barrier()
-            entry = {
-                "shards": len(sp.shards),
-                "written": written,
-                "skipped": sum(1 for s in sp.shards if s.rank == rank) - written,
-                "tokens_written": tokens,
-                "tokens_per_s": round(tokens / elapsed, 1) if written else None,
-                "padding_waste": round(1 - tokens / padded, 4) if padded else 0.0,
-                "bytes_per_token": bpt,
-            }
-            if rank == 0:
-                old = read_json(sp.out_dir / "index.json")
-                if unfinished[sp.name] or not (old and old.get("complete") and old.get("plan_key") == sp.plan_key):
-                    old = _write_index(sp, target_info, x.dtype, layer_ids, bpt)
-                entry.update(
-                    n_samples=old["n_samples"], n_tokens=old["n_tokens"], bytes=old["bytes"],
-                    index=str(sp.out_dir / "index.json"), total_padding_waste=old["stats"]["padding_waste"],
-                )  # fmt: skip
-            summary["splits"][sp.name] = entry
+                summary["splits"][sp.name] = entry
+        finally:
+            if pipe is not None:
+                pipe.shutdown()
         barrier()
         if rank == 0:
             campaign.set_phase(
@@ -852,8 +1061,19 @@ def run_extract(
             )
         return summary
     except BaseException as e:
+        err: BaseException = e
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            # Finished shards (with their .done) are whole; the unfinished one stays a temp file.
+            err = DiskFull(f"no space left writing features under {campaign.root / 'features'}: {e.strerror}; "
+                           "free space (or use extract.dtype = 'float8_e4m3fn' / mode = 'online') and rerun: "
+                           "finished shards are kept")
         if rank == 0:
-            campaign.set_phase("extract", "failed", error=f"{type(e).__name__}: {e}")
+            try:
+                campaign.set_phase("extract", "failed", error=f"{type(err).__name__}: {err}")
+            except OSError as w:  # a full disk must not hide the cause
+                log.error("could not record extract as failed in the manifest: %s", w)
+        if err is not e:
+            raise err from e
         raise
     finally:
         if own_group:
