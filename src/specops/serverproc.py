@@ -66,7 +66,8 @@ class VllmServerError(SpecopsError):
 
 def find_vllm_python(python: str | os.PathLike[str] | None = None) -> Path:
     """The interpreter that has vLLM: `python`, else $SPECOPS_VLLM_PYTHON, else
-    $SPECOPS_VLLM_VENV/bin/python, else <repo>/.venv-vllm/bin/python."""
+    $SPECOPS_VLLM_VENV/bin/python, else the cached venv scripts/setup-vllm.sh builds
+    (~/.cache/specops/venv-vllm), else <repo>/.venv-vllm/bin/python."""
     if python is not None:
         candidates = [("python argument", Path(python))]
     elif os.environ.get("SPECOPS_VLLM_PYTHON"):
@@ -74,7 +75,10 @@ def find_vllm_python(python: str | os.PathLike[str] | None = None) -> Path:
     elif os.environ.get("SPECOPS_VLLM_VENV"):
         candidates = [("$SPECOPS_VLLM_VENV", Path(os.environ["SPECOPS_VLLM_VENV"]) / "bin" / "python")]
     else:
-        candidates = [("repository venv", _REPO / ".venv-vllm" / "bin" / "python")]
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specops" / "venv-vllm"
+        candidates = [("cached venv", cache / "bin" / "python"),
+                      ("repository venv", _REPO / ".venv-vllm" / "bin" / "python")]
+        candidates = [c for c in candidates if c[1].is_file()] or candidates[:1]
     source, path = candidates[0]
     if not (path.is_file() and os.access(path, os.X_OK)):
         raise VllmServerError(
