@@ -26,6 +26,8 @@ The configured system prompt is prepended after hashing, so it does not change i
 
 from __future__ import annotations
 
+import abc
+
 import codecs
 import gzip
 import hashlib
@@ -93,16 +95,16 @@ class _Raw:
             return repr(self.record)[:_EXCERPT]
 
 
-class _Reader:
+class _Reader(abc.ABC):
     """A container of records: iterates `_Raw` items; `count()` is a cheap upper bound."""
 
     path: Path
 
-    def __iter__(self) -> Iterator[_Raw]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def __iter__(self) -> Iterator[_Raw]: ...
 
-    def count(self) -> int:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def count(self) -> int: ...
 
 
 def _open_bytes(path: Path) -> IO[bytes]:

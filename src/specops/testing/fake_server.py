@@ -79,6 +79,7 @@ A wrong model is simulated with --model (or "models"), not with a rule.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import json
@@ -625,7 +626,7 @@ def _post(url: str, obj: Any) -> None:
         resp.read()
 
 
-class _Handle:
+class _Handle(abc.ABC):
     """What both helpers expose: url, port, log_path, requests(), set_script(), stop()."""
 
     port: int
@@ -651,11 +652,11 @@ class _Handle:
         """Replace the script of the running server (a list of rules or a script object)."""
         _post(f"{self.base_url}/fake/script", script)
 
-    def alive(self) -> bool:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def alive(self) -> bool: ...
 
-    def stop(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def stop(self) -> None: ...
 
     def __enter__(self):
         return self
