@@ -27,7 +27,6 @@ The configured system prompt is prepended after hashing, so it does not change i
 from __future__ import annotations
 
 import abc
-
 import codecs
 import gzip
 import hashlib
