@@ -72,3 +72,29 @@ def test_serve_refuses_busy_gpu_before_launch(tmp_path):
     cfg.serve.tensor_parallel_size = 4
     cfg.serve.gpus = [0, 1, 2, 4]  # steer around the busy GPU: allowed
     check_gpus_free(cfg, RecordedSource(fixture))
+
+
+def test_server_argv_for_vllm_and_sglang(tmp_path):
+    from pathlib import Path
+
+    from specops.config import config_from_dict
+    from specops.serve import server_argv
+
+    def argv(engine):
+        cfg = config_from_dict({"target": {"served_name": "kimi-k2"},
+                                "serve": {"engine": engine, "python": "py", "port": 8001, "tensor_parallel_size": 8,
+                                          "data_parallel_size": 2, "max_model_len": 32768,
+                                          "reasoning_parser": "kimi", "tool_call_parser": "kimi_k2",
+                                          "extra_args": ["--x"]},
+                                "datasets": [{"name": "x", "source": "gsm8k"}]})
+        return server_argv(cfg, Path("/m"))
+
+    assert argv("vllm") == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m",
+                            "--served-model-name", "kimi-k2", "--host", "127.0.0.1", "--port", "8001",
+                            "--tensor-parallel-size", "8", "--data-parallel-size", "2", "--max-model-len", "32768",
+                            "--reasoning-parser", "kimi", "--enable-auto-tool-choice", "--tool-call-parser",
+                            "kimi_k2", "--x"]
+    assert argv("sglang") == ["py", "-m", "sglang.launch_server", "--model-path", "/m",
+                              "--served-model-name", "kimi-k2", "--host", "127.0.0.1", "--port", "8001",
+                              "--tp-size", "8", "--dp-size", "2", "--context-length", "32768",
+                              "--reasoning-parser", "kimi", "--tool-call-parser", "kimi_k2", "--x"]

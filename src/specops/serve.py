@@ -21,35 +21,31 @@ from .models import resolve_model_dir, served_name
 from .serverproc import VllmServer, launch_server
 
 
+# The two servers' names for the same settings: one declarative map, one argv builder.
+_FLAGS = {
+    "vllm": {"module": "vllm.entrypoints.openai.api_server", "model": "--model", "tp": "--tensor-parallel-size",
+             "dp": "--data-parallel-size", "max_len": "--max-model-len",
+             "tools": ["--enable-auto-tool-choice", "--tool-call-parser"]},
+    "sglang": {"module": "sglang.launch_server", "model": "--model-path", "tp": "--tp-size", "dp": "--dp-size",
+               "max_len": "--context-length", "tools": ["--tool-call-parser"]},
+}
+
+
 def server_argv(cfg: Config, model_dir: Path) -> list[str]:
     """The server command line derived from [serve] (+ extra_args verbatim)."""
     sv = cfg.serve
-    py = sv.python or sys.executable
-    name = served_name(cfg.target.model, cfg.target.served_name)
-    if sv.engine == "vllm":
-        argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                "--served-model-name", name, "--host", sv.host, "--port", str(sv.port),
-                "--tensor-parallel-size", str(sv.tensor_parallel_size)]
-        if sv.data_parallel_size > 1:
-            argv += ["--data-parallel-size", str(sv.data_parallel_size)]
-        if sv.max_model_len:
-            argv += ["--max-model-len", str(sv.max_model_len)]
-        if sv.reasoning_parser:
-            argv += ["--reasoning-parser", sv.reasoning_parser]
-        if sv.tool_call_parser:
-            argv += ["--enable-auto-tool-choice", "--tool-call-parser", sv.tool_call_parser]
-    else:
-        argv = [py, "-m", "sglang.launch_server", "--model-path", str(model_dir),
-                "--served-model-name", name, "--host", sv.host, "--port", str(sv.port),
-                "--tp-size", str(sv.tensor_parallel_size)]
-        if sv.data_parallel_size > 1:
-            argv += ["--dp-size", str(sv.data_parallel_size)]
-        if sv.max_model_len:
-            argv += ["--context-length", str(sv.max_model_len)]
-        if sv.reasoning_parser:
-            argv += ["--reasoning-parser", sv.reasoning_parser]
-        if sv.tool_call_parser:
-            argv += ["--tool-call-parser", sv.tool_call_parser]
+    f = _FLAGS[sv.engine]
+    argv = [sv.python or sys.executable, "-m", f["module"], f["model"], str(model_dir),
+            "--served-model-name", served_name(cfg.target.model, cfg.target.served_name),
+            "--host", sv.host, "--port", str(sv.port), f["tp"], str(sv.tensor_parallel_size)]
+    if sv.data_parallel_size > 1:
+        argv += [f["dp"], str(sv.data_parallel_size)]
+    if sv.max_model_len:
+        argv += [f["max_len"], str(sv.max_model_len)]
+    if sv.reasoning_parser:
+        argv += ["--reasoning-parser", sv.reasoning_parser]
+    if sv.tool_call_parser:
+        argv += [*f["tools"], sv.tool_call_parser]
     return argv + list(sv.extra_args)
 
 
