@@ -639,3 +639,32 @@ def test_builtin_path_override(tmp_path: Path) -> None:
     assert q[0].where == "line 2" and "turns" in q[0].reason
     s, _ = run(ds(tmp_path, name="mt", source="mtbench"))  # a directory holding question.jsonl
     assert [x.id for x in s] == ["mt/1"]
+
+
+def test_oversized_line_is_quarantined_without_holding_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runaway line (a whole dump without newlines, a binary file) is cut off at the cap: it is
+    quarantined with its size, memory stays bounded, and the next line still reads."""
+    monkeypatch.setenv("SPECOPS_MAX_LINE_BYTES", str(64 << 10))
+    big = json.dumps(msgs_rec("x" * (12 << 20), id="big"))  # 12 MiB line, many read chunks long
+    p = write_lines(tmp_path / "big.jsonl", [msgs_rec("before", id="a"), big, msgs_rec("after", id="b"), big],
+                    final_newline=False)
+    tracemalloc.start()
+    try:
+        s, q = run(ds(p))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [x.id for x in s] == ["t/a", "t/b"]
+    assert [x.where for x in q] == ["line 2", "line 4"]
+    assert all(f"{len(big):,} bytes" in x.reason and "65,536" in x.reason for x in q)
+    assert all(x.excerpt.startswith('{"messages"') for x in q)
+    assert peak < 5 * sources._CHUNK, peak  # a few chunks, never the whole 12 MiB line
+    # the count (used for progress/ETA) agrees: 4 lines
+    assert sources._JsonlReader(p).count() == 4
+
+
+def test_max_line_bytes_must_be_positive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECOPS_MAX_LINE_BYTES", "zero")
+    p = write_lines(tmp_path / "a.jsonl", [msgs_rec("a")])
+    with pytest.raises(InputError, match="SPECOPS_MAX_LINE_BYTES"):
+        run(ds(p))

@@ -50,6 +50,22 @@ BUILTIN_SOURCES = ("sharegpt", "bfcl", "mtbench", "humaneval", "gsm8k", "alpacae
 
 _CHUNK = 1 << 20
 _EXCERPT = 300
+# One JSONL line larger than this is quarantined unread (a file with no newlines, a binary blob):
+# a reader never holds more than this plus one chunk. Override: $SPECOPS_MAX_LINE_BYTES.
+MAX_LINE_BYTES = 256 << 20
+
+
+def max_line_bytes() -> int:
+    raw = os.environ.get("SPECOPS_MAX_LINE_BYTES")
+    if raw is None:
+        return MAX_LINE_BYTES
+    try:
+        v = int(raw)
+    except ValueError:
+        v = 0
+    if v <= 0:
+        raise InputError(f"SPECOPS_MAX_LINE_BYTES: expected a positive number of bytes, got {raw!r}")
+    return v
 
 ID_FIELDS = ("id", "question_id", "task_id", "idx", "conversation_id", "uid", "sample_id", "prompt_id")
 PROMPT_FIELDS = ("prompt", "instruction", "question", "input", "text")
@@ -135,8 +151,15 @@ class _JsonlReader(_Reader):
             fh = _open_bytes(self.path)
         except OSError as e:
             raise InputError(f"{self.path}: cannot read: {e}") from e
+        cap = max_line_bytes()
         with fh:
-            for lineno, line, had_newline in _split_lines(fh):
+            for lineno, line, had_newline in _split_lines(fh, cap):
+                if isinstance(line, _Oversized):
+                    yield _Raw(f"{self.prefix}line {lineno}",
+                               error=f"line is {line.size:,} bytes, over the {cap:,}-byte limit "
+                                     "(SPECOPS_MAX_LINE_BYTES): not read",
+                               text=line.head[:_EXCERPT].decode("utf-8", "replace"))
+                    continue
                 if lineno == 1 and line.startswith(codecs.BOM_UTF8):
                     line = line[len(codecs.BOM_UTF8):]
                 if not line.strip():
@@ -163,29 +186,51 @@ class _JsonlReader(_Reader):
                 yield _Raw(where, record=rec, text=text[:_EXCERPT])
 
 
-def _split_lines(fh: IO[bytes]) -> Iterator[tuple[int, bytes, bool]]:
-    """(line number, line without b"\\n", whether a newline ended it), splitting on b"\\n" only."""
+@dataclass
+class _Oversized:
+    size: int  # bytes of the whole line (without its newline)
+    head: bytes  # its first bytes, for the quarantine excerpt
+
+
+def _split_lines(fh: IO[bytes], cap: int | None = None) -> Iterator[tuple[int, "bytes | _Oversized", bool]]:
+    """(line number, line without b"\\n", whether a newline ended it), splitting on b"\\n" only. A
+    line longer than `cap` comes out as an _Oversized (size and head) and is never held whole."""
     lineno = 0
     pending: list[bytes] = []
+    held = 0  # bytes in pending
+    over: _Oversized | None = None  # the current line passed the cap: count, do not keep
     while chunk := fh.read(_CHUNK):
         start = 0
         while True:
             i = chunk.find(b"\n", start)
+            piece = chunk[start:] if i < 0 else chunk[start:i]
+            if over is not None:
+                over.size += len(piece)
+            elif cap is not None and held + len(piece) > cap:
+                head = b"".join(pending)[:_EXCERPT] if pending else piece[:_EXCERPT]
+                over = _Oversized(held + len(piece), head)
+                pending, held = [], 0
+            elif i < 0:
+                if piece:
+                    pending.append(piece)
+                    held += len(piece)
             if i < 0:
-                if start < len(chunk):
-                    pending.append(chunk[start:])
                 break
-            piece = chunk[start:i]
-            if pending:
-                pending.append(piece)
-                piece = b"".join(pending)
-                pending = []
             lineno += 1
-            yield lineno, piece, True
+            if over is not None:
+                yield lineno, over, True
+                over = None
+            else:
+                if pending:
+                    pending.append(piece)
+                    piece = b"".join(pending)
+                    pending, held = [], 0
+                yield lineno, piece, True
             start = i + 1
-    if pending:
-        lineno += 1
-        yield lineno, b"".join(pending), False
+    if over is not None:
+        yield lineno + 1, over, False
+    elif pending:
+        yield lineno + 1, b"".join(pending), False
 
 
 # ---------------------------------------------------------------------------- streamed JSON

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The quality experiment on the GPU machine, meant to run detached (setsid) so that it outlives
+# the device call that starts it; bench/quality/h200_wait.sh follows it from later calls.
+#   setsid nohup bash bench/quality/h200_bg.sh >/root/q/bg.log 2>&1 < /dev/null &
+# Expects: /root/model/smollm2.gguf, /root/carry/.carry_q, our wheels in /tmp/site and the
+# speculators wheels in /tmp/specsite (bench/quality/h200_call2.sh sets all of that up).
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+W=${QUALITY_WORK:-/root/q}
+mkdir -p "$W/results"
+export PYTHONPATH=/tmp/site:$repo/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export SPECOPS_CACHE=/root/cache SPECULATORS_SITE=/tmp/specsite
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+echo "started $(date -u +%FT%TZ)" > "$W/results/bg.state"
+# The disk the features land on: sequential write speed with an fsync (extract's bound in bf16).
+if [ ! -f "$W/results/disk.txt" ]; then
+  { dd if=/dev/zero of="$W/ddtest" bs=16M count=256 conv=fsync 2>&1 | tail -1; nproc; df -h "$W" | tail -1; } > "$W/results/disk.txt"
+  rm -f "$W/ddtest"
+fi
+python3 "$repo/bench/quality/run.py" all --work "$W" --model /root/model/smollm2.gguf \
+  --carry /root/carry/.carry_q ${QUALITY_ARGS:-} 2>&1 | tee -a "$W/results/run.log"
+rc=${PIPESTATUS[0]}
+echo "finished rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"

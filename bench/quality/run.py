@@ -1,0 +1,331 @@
+"""Issue 8's quality experiment: a real SmolLM2 drafter, side by side with the speculators trainer.
+
+    python bench/quality/run.py all --work DIR [--scale h200|smoke] [--gguf FILE] [--data DIR]
+
+Phases (each idempotent: a rerun skips what is done, `specops run` resumes inside its phases):
+
+    ours     `specops run` on the generated campaign config up to export: generate with the local
+             engine over ShareGPT first turns + BFCL prompts, build, extract (bf16 features), train
+             (K=7), export.
+    anchor   the same build + features converted to the speculators layout, the speculators 0.9.0
+             trainer run unmodified with the same epochs and learning rate, its checkpoint converted
+             for our evaluator (bench/quality/speculators_*.py).
+    timing   `specops eval` alone on the GPU (1 worker): measured speedup vs the greedy baseline.
+    eval     tau at k=7 for both drafters: T=0 on MT-bench, HumanEval, GSM8K, Spec-Bench; T=1 on
+             MT-bench (several evaluator workers share the GPU; tau does not depend on timing).
+    collect  DIR/results/quality.json: every figure, with the phase timings.
+
+DIR/results/ holds small JSON files and logs (what a GPU run copies back); DIR/campaign is ours.
+Inputs come from `.carry_q/` (bench/quality/prepare_carry.py): nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "src"))
+
+from specops.config import EvalSection, dump_toml, load_config  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+# Per scale: how much of everything. h200 is the real experiment; smoke checks the plumbing on a CPU.
+SCALES: dict[str, dict[str, Any]] = {
+    "h200": dict(
+        sharegpt=9000, bfcl=None, max_tokens=512, batch_size=256, concurrency=512, dtype="bfloat16",
+        max_model_len=2048, draft_vocab=32000, epochs=3, lr=3e-4, warmup=50, batch_tokens=16384,
+        log_every=20, eval_every=200, checkpoint_every=400, eval_limit=80, spec_bench_limit=480,
+        eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=80,
+    ),
+    "smoke": dict(
+        sharegpt=6, bfcl=4, max_tokens=24, batch_size=8, concurrency=16, dtype="float32",
+        max_model_len=1024, draft_vocab=2048, epochs=1, lr=5e-4, warmup=2, batch_tokens=2048,
+        log_every=2, eval_every=4, checkpoint_every=4, eval_limit=1, spec_bench_limit=2,
+        eval_new_tokens=12, timing_limit=1, timing_new_tokens=12, workers=2, t1_limit=1,
+    ),
+}
+K = 7
+
+
+def log(msg: str) -> None:
+    print(f"[quality {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sh(cmd: list[str], logfile: Path, *, env: dict[str, str] | None = None, ok: tuple[int, ...] = (0,)) -> float:
+    """Run cmd with its output appended to logfile; returns the wall seconds. An exit code outside
+    `ok` stops the experiment with the log's tail (`specops eval` exits 1 on a NO-GO verdict)."""
+    log(" ".join(map(str, cmd)) + f"  (log: {logfile.name})")
+    t0 = time.time()
+    with open(logfile, "a") as fh:
+        rc = subprocess.run([str(c) for c in cmd], stdout=fh, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}).returncode
+    dt = time.time() - t0
+    if rc not in ok:
+        tail = logfile.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"command failed (rc {rc}) after {dt:.0f}s: {' '.join(map(str, cmd))}\n{tail}")
+    return dt
+
+
+def specops(*args: Any) -> list[str]:
+    return [sys.executable, "-m", "specops", *map(str, args)]
+
+
+def write_result(work: Path, name: str, obj: dict[str, Any]) -> None:
+    res = work / "results"
+    res.mkdir(parents=True, exist_ok=True)
+    tmp = res / f".{name}.json.tmp"
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, res / f"{name}.json")
+
+
+def read_result(work: Path, name: str) -> dict[str, Any] | None:
+    p = work / "results" / f"{name}.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+# ---------------------------------------------------------------- inputs and configs
+
+
+def unpack(work: Path, carry: Path) -> Path:
+    data = work / "data"
+    if (data / ".complete").is_file():
+        return data
+    data.mkdir(parents=True, exist_ok=True)
+    with lzma.open(carry / "sharegpt_first.jsonl.xz", "rb") as src, open(data / "sharegpt_first.jsonl", "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    for name in ("bfcl.tar.xz", "eval.tar.xz"):
+        with tarfile.open(carry / name) as tf:
+            tf.extractall(data, filter="data")
+    (data / ".complete").write_text("ok\n")
+    return data
+
+
+def eval_entries(data: Path) -> list[str]:
+    e = data / "eval"
+    return [f"mtbench:{e / 'mtbench' / 'question.jsonl'}", f"humaneval:{e / 'HumanEval.jsonl.gz'}",
+            f"gsm8k:{e / 'gsm8k' / 'test.jsonl'}", f"spec_bench:{e / 'spec_bench' / 'question.jsonl'}"]
+
+
+def base_config(work: Path, data: Path, model: str, s: dict[str, Any]) -> dict[str, Any]:
+    datasets = [
+        {"name": "sharegpt", "source": "sharegpt", "path": str(data / "sharegpt_first.jsonl"),
+         "limit": s["sharegpt"], "turns": "first"},
+        {"name": "bfcl", "source": "bfcl", "path": str(data / "bfcl")},
+    ]
+    if s["bfcl"] is not None:
+        datasets[1]["limit"] = s["bfcl"]
+    return {
+        "campaign": {"name": "quality", "dir": str(work / "campaign"), "seed": 0},
+        "target": {"model": model, "dtype": s["dtype"]},
+        "engine": {"kind": "local", "batch_size": s["batch_size"], "max_model_len": s["max_model_len"]},
+        "generate": {"reasoning": "off", "max_tokens": s["max_tokens"], "temperature": 0.0,
+                     "concurrency": s["concurrency"], "expect_truncation": True, "canary_samples": 2},
+        "datasets": datasets,
+        "build": {"draft_vocab_size": s["draft_vocab"], "max_length": s["max_model_len"]},
+        "extract": {"dtype": "bfloat16", "mode": "offline"},
+        "train": {"ttt_steps": K, "epochs": s["epochs"], "lr": s["lr"], "warmup_steps": s["warmup"],
+                  "batch_tokens": s["batch_tokens"], "log_every": s["log_every"], "eval_every": s["eval_every"],
+                  "checkpoint_every": s["checkpoint_every"]},
+        "eval": {"datasets": eval_entries(data)[:1], "limit_per_dataset": 1, "k": K},
+    }
+
+
+def eval_config(base: dict[str, Any], work: Path, name: str, drafter: Path, **ev: Any) -> Path:
+    """A config for one evaluation: the campaign's own settings (so eval refuses any training set),
+    its own campaign dir (each evaluation keeps its own eval/), the drafter given explicitly."""
+    cfg = json.loads(json.dumps(base))
+    cfg["campaign"] = {"name": f"eval-{name}", "dir": str(work / f"eval-{name}"), "seed": 0}
+    has_workers = any(f.name == "workers" for f in fields(EvalSection))
+    if not has_workers:
+        ev.pop("workers", None)
+    cfg["eval"] = {"k": K, "drafter": str(drafter), **ev}
+    path = work / f"eval-{name}.toml"
+    path.write_text(dump_toml(cfg))
+    load_config(path)  # validate now, not after a model load
+    return path
+
+
+# ---------------------------------------------------------------- phases
+
+
+def phase_ours(work: Path, cfg_path: Path) -> None:
+    if (r := read_result(work, "ours")) and r.get("done"):
+        log("ours: done already")
+        return
+    dt = sh(specops("run", cfg_path, "--to", "export"), work / "results" / "ours.log")
+    man = json.loads((work / "campaign" / "manifest.json").read_text())
+    metrics = [json.loads(l) for l in (work / "campaign" / "drafter" / "metrics.jsonl").read_text().splitlines() if l]
+    write_result(work, "ours", {"done": True, "wall_s": dt, "phases": man["phases"],
+                                "train_metrics_tail": metrics[-6:], "val": [m for m in metrics if m.get("split") == "val"]})
+
+
+def phase_anchor(work: Path, s: dict[str, Any]) -> None:
+    """The speculators trainer on the same build, features, draft vocab, epochs and lr."""
+    if (r := read_result(work, "anchor")) and r.get("done"):
+        log("anchor: done already")
+        return
+    out = work / "anchor"
+    logf = work / "results" / "anchor.log"
+    t_conv = sh([sys.executable, HERE / "speculators_convert.py", "--campaign", work / "campaign",
+                 "--out", out / "data"], logf)
+    t_train = sh(["bash", HERE / "speculators_train.sh", out / "data", out / "train",
+                  str(s["epochs"]), str(s["lr"]), str(K)], logf)
+    t_conv2 = sh([sys.executable, HERE / "speculators_to_eval.py", out / "train", out / "eval_drafter",
+                  "--campaign", work / "campaign"], logf)
+    sh(specops("export", "--check", out / "eval_drafter"), logf)
+    stats = out / "train" / "specops_throughput.json"
+    write_result(work, "anchor", {"done": True, "convert_s": t_conv, "train_wall_s": t_train, "to_eval_s": t_conv2,
+                                  "throughput": json.loads(stats.read_text()) if stats.is_file() else None})
+
+
+def _summary(camp: Path) -> dict[str, Any]:
+    return json.loads((camp / "eval" / "summary.json").read_text())
+
+
+def phase_timing(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path) -> None:
+    if read_result(work, "timing"):
+        log("timing: done already")
+        return
+    drafter = work / "campaign" / "drafter" / "export" / "vllm"
+    cfg = eval_config(base, work, "timing", drafter, datasets=eval_entries(data)[:1],
+                      limit_per_dataset=s["timing_limit"], max_new_tokens=s["timing_new_tokens"], temperature=0.0)
+    dt = sh(specops("eval", cfg), work / "results" / "timing.log", ok=(0, 1))
+    write_result(work, "timing", {"wall_s": dt, "summary": _summary(work / "eval-timing")})
+
+
+def phase_eval(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path, which: list[str]) -> None:
+    drafters = {"ours": work / "campaign" / "drafter" / "export" / "vllm", "anchor": work / "anchor" / "eval_drafter"}
+    jobs = []
+    for who in which:
+        if not (drafters[who] / "config.json").is_file():
+            log(f"eval: no {who} drafter at {drafters[who]}: skipped")
+            continue
+        for temp, sets, limit in ((0.0, eval_entries(data), None), (1.0, eval_entries(data)[:1], s["t1_limit"])):
+            name = f"{who}-t{int(temp)}"
+            if read_result(work, f"eval-{name}"):
+                continue
+            ev = dict(datasets=sets, temperature=temp, max_new_tokens=s["eval_new_tokens"], workers=s["workers"])
+            ev["limit_per_dataset"] = limit or max(s["eval_limit"], s["spec_bench_limit"])
+            cfg = eval_config(base, work, name, drafters[who], **ev)
+            jobs.append((name, cfg))
+    # Spec-Bench runs all its prompts; the other sets their first eval_limit (limit is per set, so
+    # the T=0 run caps the others by trimming its prompt files instead).
+    for name, cfg in jobs:
+        dt = sh(specops("eval", cfg), work / "results" / f"eval-{name}.log", ok=(0, 1))
+        write_result(work, f"eval-{name}", {"wall_s": dt, "summary": _summary(work / f"eval-{name}")})
+
+
+def trim_eval_sets(data: Path, limit: int) -> None:
+    """MT-bench, HumanEval and GSM8K: their first `limit` prompts (Spec-Bench keeps all of its)."""
+    import gzip
+
+    for rel in ("mtbench/question.jsonl", "gsm8k/test.jsonl"):
+        p = data / "eval" / rel
+        lines = p.read_text().splitlines()
+        if len(lines) > limit:
+            p.write_text("\n".join(lines[:limit]) + "\n")
+    p = data / "eval" / "HumanEval.jsonl.gz"
+    with gzip.open(p, "rt") as fh:
+        lines = fh.read().splitlines()
+    if len(lines) > limit:
+        with gzip.open(p, "wt") as fh:
+            fh.write("\n".join(lines[:limit]) + "\n")
+
+
+def phase_collect(work: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {"work": str(work)}
+    for name in ("env", "ours", "anchor", "anchor-error", "timing", "eval-ours-t0", "eval-anchor-t0", "eval-ours-t1", "eval-anchor-t1"):
+        out[name] = read_result(work, name)
+    taus: dict[str, Any] = {}
+    for temp in ("t0", "t1"):
+        o, a = out.get(f"eval-ours-{temp}"), out.get(f"eval-anchor-{temp}")
+        for who, r in (("ours", o), ("anchor", a)):
+            if not r:
+                continue
+            for ds, d in (r["summary"].get("datasets") or {}).items():
+                taus.setdefault(f"{ds}-{temp}", {})[who] = d.get("tau")
+    for row in taus.values():
+        if row.get("ours") and row.get("anchor"):
+            row["ratio"] = row["ours"] / row["anchor"]
+    out["tau"] = taus
+    write_result(work, "quality", out)
+    return out
+
+
+def env_info(work: Path) -> None:
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0],
+                            "cuda": torch.cuda.is_available(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    write_result(work, "env", info)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=["all", "ours", "anchor", "timing", "eval", "collect", "configs"])
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--scale", choices=sorted(SCALES), default="h200")
+    ap.add_argument("--model", default="smollm2", help="target.model: 'smollm2', a .gguf or an HF dir")
+    ap.add_argument("--carry", type=Path, default=REPO / ".carry_q")
+    ap.add_argument("--skip-anchor", action="store_true")
+    args = ap.parse_args()
+    s = SCALES[args.scale]
+    work = args.work.resolve()
+    (work / "results").mkdir(parents=True, exist_ok=True)
+    data = unpack(work, args.carry)
+    trim_eval_sets(data, s["eval_limit"])
+    base = base_config(work, data, args.model, s)
+    cfg_path = work / "ours.toml"
+    cfg_path.write_text(dump_toml(base))
+    load_config(cfg_path)
+    if args.phase == "configs":
+        print(cfg_path)
+        return
+    if args.phase == "all":
+        env_info(work)
+    # Ours first and evaluated first: the anchor's failure must not cost our figures.
+    steps = {
+        "ours": lambda: phase_ours(work, cfg_path),
+        "timing": lambda: phase_timing(work, base, s, data),
+        "eval-ours": lambda: phase_eval(work, base, s, data, ["ours"]),
+        "anchor": lambda: phase_anchor(work, s),
+        "eval-anchor": lambda: phase_eval(work, base, s, data, ["anchor"]),
+    }
+    wanted = {"all": list(steps), "ours": ["ours"], "timing": ["timing"], "anchor": ["anchor"],
+              "eval": ["eval-ours", "eval-anchor"], "collect": []}[args.phase]
+    if args.skip_anchor:
+        wanted = [w for w in wanted if "anchor" not in w]
+    for name in wanted:
+        try:
+            steps[name]()
+        except SystemExit as e:  # a failed command: record it, go on unless our own drafter is missing
+            log(f"{name}: FAILED: {str(e)[:2000]}")
+            write_result(work, f"{name}-error", {"error": str(e)[-6000:]})
+            if name == "ours":
+                raise
+    out = phase_collect(work)
+    log("collect: " + json.dumps(out.get("tau"), indent=None))
+
+
+if __name__ == "__main__":
+    main()
