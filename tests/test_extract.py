@@ -33,21 +33,13 @@ from specops.extract import (
     to_storage,
 )
 
-VOCAB = 512
-L = 8  # default aux ids [2, 4, 5], all distinct
+from tiny_targets import LAYERS as L  # 8: default aux ids [2, 4, 5], all distinct
+from tiny_targets import VOCAB, make_deepseek_and_llava, randomize_norms
+
 AUX = [2, 4, 5]
 
 
 # ----------------------------------------------------------------------------- tiny models
-
-
-def _randomize_norms(model: torch.nn.Module) -> None:
-    # Norm weights != 1, so "norm(final) == HF's post-norm state" says something about the weight.
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                p.copy_(0.5 + torch.rand(p.shape, generator=g))
 
 
 def make_llama(path: Path, hidden: int = 64, layers: int = L) -> Path:
@@ -59,21 +51,9 @@ def make_llama(path: Path, hidden: int = 64, layers: int = L) -> Path:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
     )  # fmt: skip
     model = LlamaForCausalLM(cfg).eval()
-    _randomize_norms(model)
+    randomize_norms(model)
     model.save_pretrained(path)
     return path
-
-
-def deepseek_config():
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=L,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=2, q_lora_rank=32,
-        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -380,25 +360,7 @@ def test_kill9_mid_extraction_then_resume_is_byte_identical(tmp_path):
 
 
 def test_deepseek_v3_and_llava_wrapped_deepseek(tmp_path):
-    from transformers import CLIPVisionConfig, DeepseekV3ForCausalLM, LlavaConfig, LlavaForConditionalGeneration
-
-    torch.manual_seed(0)
-    ds = DeepseekV3ForCausalLM(deepseek_config()).eval()
-    _randomize_norms(ds)
-    ds.save_pretrained(tmp_path / "ds")
-    # The same language model under a multimodal wrapper: LlavaConfig(text_config=...) builds the
-    # text model with AutoModel.from_config, at model.language_model; lm_head at the top.
-    vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
-    )
-    lv_cfg = LlavaConfig(
-        text_config=deepseek_config().to_dict(), vision_config=vision.to_dict(), image_token_index=VOCAB - 1,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    lv = LlavaForConditionalGeneration(lv_cfg).eval()
-    lv.model.language_model.load_state_dict(ds.model.state_dict())
-    lv.lm_head.load_state_dict(ds.lm_head.state_dict())
-    lv.save_pretrained(tmp_path / "llava")
+    ds, _ = make_deepseek_and_llava(tmp_path)
 
     lengths = {"train": random_lengths(12, 5, hi=60), "val": [3]}
     runs = {}
