@@ -142,11 +142,14 @@ def base_config(work: Path, data: Path, model: str, s: dict[str, Any]) -> dict[s
     }
 
 
-def eval_config(base: dict[str, Any], work: Path, name: str, drafter: Path, **ev: Any) -> Path:
+def eval_config(base: dict[str, Any], work: Path, name: str, drafter: Path, *, own_dir: bool = True,
+                **ev: Any) -> Path:
     """A config for one evaluation: the campaign's own settings (so eval refuses any training set),
-    its own campaign dir (each evaluation keeps its own eval/), the drafter given explicitly."""
+    its own campaign dir (each evaluation keeps its own eval/) unless own_dir=False (then the
+    report lands in the main campaign, next to the training curves), the drafter given explicitly."""
     cfg = json.loads(json.dumps(base))
-    cfg["campaign"] = {"name": f"eval-{name}", "dir": str(work / f"eval-{name}"), "seed": 0}
+    if own_dir:
+        cfg["campaign"] = {"name": f"eval-{name}", "dir": str(work / f"eval-{name}"), "seed": 0}
     has_workers = any(f.name == "workers" for f in fields(EvalSection))
     if not has_workers:
         ev.pop("workers", None)
@@ -199,10 +202,10 @@ def phase_timing(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path
         log("timing: done already")
         return
     drafter = work / "campaign" / "drafter" / "export" / "vllm"
-    cfg = eval_config(base, work, "timing", drafter, datasets=eval_entries(data)[:1],
+    cfg = eval_config(base, work, "timing", drafter, own_dir=False, datasets=eval_entries(data)[:1],
                       limit_per_dataset=s["timing_limit"], max_new_tokens=s["timing_new_tokens"], temperature=0.0)
     dt = sh(specops("eval", cfg), work / "results" / "timing.log", ok=(0, 1))
-    write_result(work, "timing", {"wall_s": dt, "summary": _summary(work / "eval-timing")})
+    write_result(work, "timing", {"wall_s": dt, "summary": _summary(work / "campaign")})
 
 
 def phase_eval(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path, which: list[str]) -> None:
