@@ -26,6 +26,7 @@ import json
 import lzma
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -45,14 +46,14 @@ HERE = Path(__file__).resolve().parent
 SCALES: dict[str, dict[str, Any]] = {
     "h200": dict(
         sharegpt=9000, bfcl=None, max_tokens=512, batch_size=256, concurrency=512, dtype="bfloat16",
-        max_model_len=2048, draft_vocab=32000, epochs=3, lr=3e-4, warmup=50, batch_tokens=16384,
-        log_every=20, eval_every=200, checkpoint_every=400, eval_limit=80, spec_bench_limit=480,
+        max_model_len=2048, draft_vocab=32000, epochs=3, lr=5e-4, warmup=50, batch_tokens=16384,
+        log_every=20, eval_every=400, checkpoint_every=400, anchor_lr=1e-3, anchor_timeout_s=480, eval_limit=80, spec_bench_limit=480,
         eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=80,
     ),
     "smoke": dict(
         sharegpt=6, bfcl=4, max_tokens=24, batch_size=8, concurrency=16, dtype="float32",
         max_model_len=1024, draft_vocab=2048, epochs=1, lr=5e-4, warmup=2, batch_tokens=2048,
-        log_every=2, eval_every=4, checkpoint_every=4, eval_limit=1, spec_bench_limit=2,
+        log_every=2, eval_every=4, checkpoint_every=4, anchor_lr=1e-3, anchor_cpu=True, anchor_timeout_s=300, eval_limit=1, spec_bench_limit=2,
         eval_new_tokens=12, timing_limit=1, timing_new_tokens=12, workers=2, t1_limit=1,
     ),
 }
@@ -63,18 +64,30 @@ def log(msg: str) -> None:
     print(f"[quality {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def sh(cmd: list[str], logfile: Path, *, env: dict[str, str] | None = None, ok: tuple[int, ...] = (0,)) -> float:
+def sh(cmd: list[Any], logfile: Path, *, env: dict[str, str] | None = None, ok: tuple[int, ...] = (0,),
+       timeout: float | None = None) -> float:
     """Run cmd with its output appended to logfile; returns the wall seconds. An exit code outside
-    `ok` stops the experiment with the log's tail (`specops eval` exits 1 on a NO-GO verdict)."""
+    `ok` stops the experiment with the log's tail (`specops eval` exits 1 on a NO-GO verdict). Past
+    `timeout` seconds the command's whole process group is killed (SIGTERM, then SIGKILL)."""
     log(" ".join(map(str, cmd)) + f"  (log: {logfile.name})")
     t0 = time.time()
     with open(logfile, "a") as fh:
-        rc = subprocess.run([str(c) for c in cmd], stdout=fh, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})}).returncode
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=fh, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = f"timeout after {timeout:.0f}s"
     dt = time.time() - t0
     if rc not in ok:
         tail = logfile.read_text(errors="replace")[-3000:]
-        raise SystemExit(f"command failed (rc {rc}) after {dt:.0f}s: {' '.join(map(str, cmd))}\n{tail}")
+        raise SystemExit(f"command failed ({rc}) after {dt:.0f}s: {' '.join(map(str, cmd))}\n{tail}")
     return dt
 
 
@@ -174,23 +187,34 @@ def phase_ours(work: Path, cfg_path: Path) -> None:
                                 "train_metrics_tail": metrics[-6:], "val": [m for m in metrics if m.get("split") == "val"]})
 
 
-def phase_anchor(work: Path, s: dict[str, Any]) -> None:
-    """The speculators trainer on the same build, features, draft vocab, epochs and lr."""
+def phase_anchor(work: Path, s: dict[str, Any], model: str) -> None:
+    """The speculators trainer, unmodified, on the same build, features and draft vocab and the same
+    epochs (its own recipe otherwise: Muon + AdamW at its default lr). bench/quality/README-speculators.md."""
     if (r := read_result(work, "anchor")) and r.get("done"):
         log("anchor: done already")
         return
-    out = work / "anchor"
+    from specops.models import resolve_model_dir
+
+    site = os.environ.get("SPECULATORS_SITE", "")
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), site) if p)}
+    out, camp = work / "anchor", work / "campaign"
     logf = work / "results" / "anchor.log"
-    t_conv = sh([sys.executable, HERE / "speculators_convert.py", "--campaign", work / "campaign",
-                 "--out", out / "data"], logf)
-    t_train = sh(["bash", HERE / "speculators_train.sh", out / "data", out / "train",
-                  str(s["epochs"]), str(s["lr"]), str(K)], logf)
-    t_conv2 = sh([sys.executable, HERE / "speculators_to_eval.py", out / "train", out / "eval_drafter",
-                  "--campaign", work / "campaign"], logf)
+    t_conv = sh([sys.executable, HERE / "speculators_convert.py", camp, out / "data", "--workers",
+                 str(min(16, os.cpu_count() or 1))], logf, env=env)
+    train = [sys.executable, HERE / "speculators_train.py", "--data", out / "data", "--target",
+             resolve_model_dir(model), "--out", out / "run", "--epochs", s["epochs"], "--lr", s["anchor_lr"],
+             "--ttt", K, "--total-seq-len", s["batch_tokens"], "--ours", camp]
+    if site:
+        train += ["--spec-path", site]
+    if s.get("anchor_cpu"):
+        train.append("--cpu")
+    t_train = sh(train, logf, env=env, timeout=s.get("anchor_timeout_s"))
+    t_conv2 = sh([sys.executable, HERE / "speculators_to_eval.py", out / "run" / "checkpoints", out / "eval_drafter",
+                  "--campaign", camp, "--verify"], logf, env=env)
     sh(specops("export", "--check", out / "eval_drafter"), logf)
-    stats = out / "train" / "specops_throughput.json"
+    summ = out / "run" / "summary.json"
     write_result(work, "anchor", {"done": True, "convert_s": t_conv, "train_wall_s": t_train, "to_eval_s": t_conv2,
-                                  "throughput": json.loads(stats.read_text()) if stats.is_file() else None})
+                                  "summary": json.loads(summ.read_text()) if summ.is_file() else None})
 
 
 def _summary(camp: Path) -> dict[str, Any]:
@@ -311,7 +335,7 @@ def main() -> None:
         "ours": lambda: phase_ours(work, cfg_path),
         "timing": lambda: phase_timing(work, base, s, data),
         "eval-ours": lambda: phase_eval(work, base, s, data, ["ours"]),
-        "anchor": lambda: phase_anchor(work, s),
+        "anchor": lambda: phase_anchor(work, s, args.model),
         "eval-anchor": lambda: phase_eval(work, base, s, data, ["anchor"]),
     }
     wanted = {"all": list(steps), "ours": ["ours"], "timing": ["timing"], "anchor": ["anchor"],
@@ -321,6 +345,7 @@ def main() -> None:
     for name in wanted:
         try:
             steps[name]()
+            (work / "results" / f"{name}-error.json").unlink(missing_ok=True)
         except SystemExit as e:  # a failed command: record it, go on unless our own drafter is missing
             log(f"{name}: FAILED: {str(e)[:2000]}")
             write_result(work, f"{name}-error", {"error": str(e)[-6000:]})
