@@ -41,6 +41,11 @@ def cfg(**sections):
         ({**BASE, "generate": {"concurrency": True}}, "generate.concurrency: expected an integer, got True"),
         ({**BASE, "target": {"model": "/no/such/model"}}, "target.model: not found"),
         ({**BASE, "bogus": {}}, "bogus: unknown key"),
+        ({**BASE, "eval": {"workers": 0}}, "eval.workers: must be >= 1 (worker processes on the eval device), got 0"),
+        ({**BASE, "eval": {"workers": -2}}, "eval.workers: must be >= 1"),
+        ({**BASE, "eval": {"workers": "4"}}, "eval.workers: expected an integer, got '4'"),
+        ({**BASE, "eval": {"workers": True}}, "eval.workers: expected an integer, got True"),
+        ({**BASE, "eval": {"workers": 2.0}}, "eval.workers: expected an integer, got 2.0"),
     ],
 )
 def test_errors_name_the_key(data, needle):
@@ -67,6 +72,17 @@ def test_defaults_and_overrides(tmp_path):
     # The resolved config round-trips through TOML.
     again = config_from_dict(__import__("tomllib").loads(dump_toml(c.to_dict())))
     assert again.to_dict() == c.to_dict()
+
+
+def test_eval_workers_default_and_override():
+    assert cfg().eval.workers == 1
+    assert cfg(eval={"workers": 8}).eval.workers == 8
+    import dataclasses
+
+    from specops.config import EvalSection
+
+    with pytest.raises(ConfigError, match="eval.workers: must be >= 1"):
+        dataclasses.replace(EvalSection(), workers=0)  # the CLI's --workers override goes through here
 
 
 def test_bad_toml_and_missing_file(tmp_path):

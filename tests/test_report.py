@@ -94,6 +94,43 @@ def test_report_no_go_lines(tmp_path):
     assert "min_tau 2.5" in html.read_text()  # the line on the tau plot
 
 
+REASON = "concurrent workers: speedup needs workers = 1"
+
+
+def concurrent(camp: Campaign) -> None:
+    """Turn the campaign's summary into one from a 2-worker eval: no wall-clock speed numbers."""
+    path = camp.root / "eval" / "summary.json"
+    s = json.loads(path.read_text())
+    for m in [s["overall"], *s["datasets"].values()]:
+        m.update(measured_speedup=None, spec_tokens_per_s=None, baseline_tokens_per_s=None, speedup_unavailable=REASON)
+    s.update(workers=2, speedup_unavailable=REASON)
+    path.write_text(json.dumps(s))
+
+
+def test_report_concurrent_workers_shows_why_no_speedup(tmp_path):
+    camp = make_campaign(tmp_path / "c", eval_toml="baseline_tokens_per_s = 90.0\nmin_tau = 2.5")
+    concurrent(camp)
+    md, html = write_report(camp)
+    text, page = md.read_text(), html.read_text()
+    line = f"GO: tau 3.20 >= 2.5 (speed not judged: {REASON})"
+    assert f"**{line}**" in text and line.replace(">", "&gt;") in page
+    note = (f"Measured speedup, speculative and target-only tokens/s: not reported ({REASON}; this eval ran "
+            "2 workers on one device).")
+    assert note in text and note in page
+    assert "| overall |  | 4 | 3.200 | 0.800 | 0.400 | 0.067 | 2.67 | n/a | n/a | n/a | 30.0 | 2.00 |" in text
+    names = re.findall(r"\]\(plots/([a-z_]+)\.svg\)", text)
+    assert names == ["acceptance", "tau", "train_loss", "train_tau", "generate_throughput"]  # no throughput bars
+    assert len(svgs(page)) == 5
+
+
+def test_report_concurrent_workers_without_min_tau_is_no_go(tmp_path):
+    camp = make_campaign(tmp_path / "c", eval_toml="baseline_tokens_per_s = 90.0")
+    concurrent(camp)
+    md, _ = write_report(camp)
+    assert (f"**NO-GO: nothing judged (speed not judged: {REASON}); set eval.min_tau, or rerun with workers = 1**"
+            in md.read_text())
+
+
 def test_report_without_eval_still_renders(tmp_path):
     camp = make_campaign(tmp_path / "c", eval_toml="min_tau = 2.0", with_eval=False)
     md, html = write_report(camp)
@@ -112,6 +149,20 @@ def test_verdict_rules():
     v = verdict(slow, baseline_tokens_per_s=None, min_tau=None)
     assert not v["go"] and "0.67x <= 1x" in v["line"]
     assert verdict(o, baseline_tokens_per_s=100.0, min_tau=2.0)["go"]
+    # under concurrent workers no wall-clock speed is judged, even a number that is present
+    c = {**o, "speedup_unavailable": REASON}
+    v = verdict(c, baseline_tokens_per_s=100.0, min_tau=2.0)
+    assert v["go"] and v["line"] == f"GO: tau 3.00 >= 2 (speed not judged: {REASON})"
+    assert v["checks"] == [
+        {"check": "tokens_per_s", "value": None, "line": 100.0, "ok": None, "skipped": REASON},
+        {"check": "tau", "value": 3.0, "line": 2.0, "ok": True}]
+    v = verdict({**c, "tau": 1.5}, baseline_tokens_per_s=None, min_tau=2.0)
+    assert not v["go"] and v["line"] == f"NO-GO: tau 1.50 < 2 (speed not judged: {REASON})"
+    v = verdict(c, baseline_tokens_per_s=None, min_tau=None)  # a speedup of 2.0 must not make it a GO
+    assert not v["go"] and v["checks"] == [
+        {"check": "measured_speedup", "value": None, "line": 1.0, "ok": None, "skipped": REASON}]
+    assert v["line"] == (f"NO-GO: nothing judged (speed not judged: {REASON}); set eval.min_tau, "
+                         "or rerun with workers = 1")
 
 
 def test_generate_throughput_buckets_per_minute(tmp_path):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -436,7 +438,8 @@ def chat_target(tmp_path_factory):
     return path
 
 
-def write_campaign(root: Path, model: Path, datasets: str, eval_datasets: list[str], limit: int = 2):
+def write_campaign(root: Path, model: Path, datasets: str, eval_datasets: list[str], limit: int = 2,
+                   extra: str = "", max_new_tokens: int = 6):
     from specops.campaign import Campaign
     from specops.config import load_config
 
@@ -453,9 +456,10 @@ model = "{model}"
 datasets = {json.dumps(eval_datasets)}
 limit_per_dataset = {limit}
 k = 3
-max_new_tokens = 6
+max_new_tokens = {max_new_tokens}
 device = "cpu"
 baseline_tokens_per_s = 1.0
+{extra}
 """)
     cfg = load_config(toml)
     return cfg, Campaign.create_or_open(cfg)
@@ -525,3 +529,243 @@ def test_run_eval_refuses_a_training_set(tmp_path, chat_target):
     with pytest.raises(ConfigError, match="prompts"):
         run_eval(cfg, camp, drafter_dir=tmp_path)
     assert (camp.read_manifest()["phases"]["eval"]["state"]) == "pending"  # refused before starting
+
+
+# ---------------------------------------------------------------- data-parallel eval (eval.workers)
+
+TIMING = {"target_step_s", "drafter_step_s", "prefill_s", "drafter_prefill_s", "wall_s", "tokens_per_s", "step_s"}
+AGGREGATES = ("turns", "target_steps", "new_tokens", "tau", "acceptance_per_position", "position_reached",
+              "position_accepted", "accepted_histogram", "identical_to_baseline", "prompts", "quarantined",
+              "excluded_seen_in_training")
+
+
+def untimed(row: dict) -> dict:
+    """A result row without its wall-clock fields (those differ between any two runs)."""
+    return {key: ({k: v for k, v in val.items() if k not in TIMING} if isinstance(val, dict) else val)
+            for key, val in row.items()}
+
+
+@pytest.fixture(scope="module")
+def eval_drafter(tmp_path_factory, chat_target):
+    """A random drafter exported in vLLM format for the chat target (eval reads it from disk)."""
+    from specops.drafter.export import export_vllm
+
+    torch.manual_seed(0)
+    hf = json.loads((chat_target / "config.json").read_text())
+    d = Eagle3Drafter(DrafterConfig.from_target(hf, 32000))
+    return export_vllm(d.state_dict(), d.config.to_dict(), tmp_path_factory.mktemp("drafter") / "vllm",
+                       target_config=hf, aux_layer_ids=d.config.aux_layer_ids, target_name_or_path=str(chat_target))
+
+
+TRAIN_SET = '[[datasets]]\nname = "g"\nsource = "gsm8k"\nlimit = 2'
+EVAL_SETS = ["mtbench", "humaneval"]  # 3 + 3 conversations, 9 turns: worker w gets conversations w, w+2, ...
+
+
+def run_workers(tmp_path: Path, chat_target: Path, drafter: Path, workers: int, extra: str = ""):
+    from specops.evaluate.specdec import run_eval
+
+    cfg, camp = write_campaign(tmp_path / f"w{workers}", chat_target, TRAIN_SET, EVAL_SETS, limit=3,
+                               extra=f"workers = {workers}\n{extra}")
+    summary = run_eval(cfg, camp, drafter_dir=drafter)
+    per = {n: json.loads((camp.root / "eval" / f"{n}.json").read_text()) for n in EVAL_SETS}
+    return summary, per, camp
+
+
+def assert_same_results(one: tuple, two: tuple) -> None:
+    (s1, per1, _), (s2, per2, _) = one, two
+    for n in EVAL_SETS:
+        assert [untimed(r) for r in per2[n]["rows"]] == [untimed(r) for r in per1[n]["rows"]], n
+        for key in ("quarantined", "excluded_seen_in_training", "k", "temperature", "max_new_tokens"):
+            assert per2[n][key] == per1[n][key], (n, key)
+        for key in AGGREGATES:
+            assert per2[n]["summary"][key] == per1[n]["summary"][key], (n, key)
+    for key in AGGREGATES[:-3]:
+        assert s2["overall"][key] == s1["overall"][key], key
+    assert list(s2["datasets"]) == EVAL_SETS and s2["seed"] == s1["seed"]
+
+
+def test_eval_two_workers_greedy_same_results_as_one(tmp_path, chat_target, eval_drafter):
+    """T = 0: the per-turn rows (in order, across two datasets), the per-dataset and overall tau and
+    acceptance are those of the one-process run; the speedup is not measured under concurrency."""
+    from specops.evaluate.report import write_report
+
+    one = run_workers(tmp_path, chat_target, eval_drafter, 1)
+    two = run_workers(tmp_path, chat_target, eval_drafter, 2)
+    assert_same_results(one, two)
+    s1, s2 = one[0], two[0]
+    assert [r["id"] for r in two[1]["mtbench"]["rows"]] == [r["id"] for r in one[1]["mtbench"]["rows"]]
+    assert s1["overall"]["turns"] == 9 and all(r["identical"] for r in two[1]["mtbench"]["rows"])
+    assert s1["workers"] == 1 and s2["workers"] == 2
+    reason = "concurrent workers: speedup needs workers = 1"
+    assert s1["speedup_unavailable"] is None and s1["overall"]["measured_speedup"] > 0
+    assert s2["speedup_unavailable"] == reason
+    for m in [s2["overall"], *s2["datasets"].values()]:
+        assert m["speedup_unavailable"] == reason
+        assert m["measured_speedup"] is None and m["baseline_tokens_per_s"] is None and m["spec_tokens_per_s"] is None
+        assert m["target_step_ms"] > 0 and m["drafter_step_ms"] > 0  # step times are still measured
+    # go/no-go: the campaign's tokens/s line is not judged on a throughput measured under concurrency
+    assert s1["verdict"]["go"] and s1["verdict"]["checks"][0]["check"] == "tokens_per_s"
+    v = s2["verdict"]
+    assert not v["go"] and reason in v["line"] and not [c for c in v["checks"] if c["ok"] is not None]
+    phase = two[2].read_manifest()["phases"]["eval"]
+    assert phase["state"] == "done" and phase["workers"] == 2 and len(phase["worker_pids"]) == 2
+    assert phase["measured_speedup"] is None
+    md, html = write_report(two[2])
+    assert reason in md.read_text() and reason in html.read_text()
+
+
+def test_eval_two_workers_sampling_same_results_as_one(tmp_path, chat_target, eval_drafter):
+    """T > 0: each turn's sampler is seeded from eval.seed and the conversation's global index, so
+    which process ran a conversation does not matter; another seed gives other samples."""
+    from specops.evaluate.specdec import run_eval
+
+    one = run_workers(tmp_path, chat_target, eval_drafter, 1, "temperature = 1.5\nseed = 7")
+    two = run_workers(tmp_path, chat_target, eval_drafter, 2, "temperature = 1.5\nseed = 7")
+    assert_same_results(one, two)
+    rows = [r for n in EVAL_SETS for r in one[1][n]["rows"]]
+    assert all(r["identical"] is None for r in rows)
+    # really sampled: speculative and baseline draws differ somewhere, and a new seed changes the output
+    assert any(r["spec"]["tokens"] != r["baseline"]["tokens"] for r in rows)
+    cfg, camp = write_campaign(tmp_path / "seed8", chat_target, TRAIN_SET, EVAL_SETS, limit=3,
+                               extra="temperature = 1.5\nseed = 8")
+    run_eval(cfg, camp, drafter_dir=eval_drafter)
+    other = [r for n in EVAL_SETS for r in json.loads((camp.root / "eval" / f"{n}.json").read_text())["rows"]]
+    assert [r["spec"]["tokens"] for r in other] != [r["spec"]["tokens"] for r in rows]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+
+
+def _worker_pids(camp, timeout: float = 60.0) -> list[int]:
+    """The worker pids the eval records in the manifest once it has started them."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        pids = ((camp.read_manifest() or {}).get("phases", {}).get("eval") or {}).get("worker_pids")
+        if pids:
+            return pids
+        time.sleep(0.02)
+    raise AssertionError("no worker pids recorded")
+
+
+def assert_failed_cleanly(camp, pids: list[int]) -> dict:
+    assert not (camp.root / "eval" / "summary.json").exists()
+    assert not list((camp.root / "eval").glob("*.json"))  # no partial per-dataset file either
+    phase = camp.read_manifest()["phases"]["eval"]
+    assert phase["state"] == "failed"
+    assert pids and not [p for p in pids if _alive(p)]  # no orphan worker
+    return phase
+
+
+def test_eval_worker_that_fails_fails_the_eval(tmp_path, chat_target, eval_drafter):
+    """A drafter weight file that is present (the parent's check passes) but truncated, as by an
+    interrupted copy: the workers fail loading it; run_eval raises with the worker's error and
+    exit code and writes no summary."""
+    import shutil
+
+    from specops.errors import EvalWorkerFailed
+    from specops.evaluate.specdec import run_eval
+
+    bad = tmp_path / "bad-drafter"
+    shutil.copytree(eval_drafter, bad)
+    weights = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    cfg, camp = write_campaign(tmp_path / "c", chat_target, TRAIN_SET, EVAL_SETS, limit=3, extra="workers = 2")
+    with pytest.raises(EvalWorkerFailed, match=r"eval worker [01] \(pid \d+\) failed, exit code 1: "
+                                               r"SafetensorError: .*file not fully covered"):
+        run_eval(cfg, camp, drafter_dir=bad)
+    phase = assert_failed_cleanly(camp, camp.read_manifest()["phases"]["eval"]["worker_pids"])
+    assert "EvalWorkerFailed" in phase["error"] and "exit code 1" in phase["error"]
+
+
+@pytest.mark.parametrize("when", ["starting", "evaluating"])
+def test_eval_worker_killed_fails_the_eval_and_ends_the_others(tmp_path, chat_target, eval_drafter, caplog, when):
+    """SIGKILL one worker while it loads, or once the first turn's results are in: run_eval raises
+    naming the signal; the other worker is ended (no orphan, no hang), nothing is written."""
+    import logging
+    import signal
+    import threading
+
+    from specops.errors import EvalWorkerFailed
+    from specops.evaluate.specdec import run_eval
+
+    caplog.set_level(logging.INFO, logger="specops.eval")
+    cfg, camp = write_campaign(tmp_path / "c", chat_target, TRAIN_SET, EVAL_SETS, limit=3,
+                               extra="workers = 2", max_new_tokens=256)
+    seen: list[int] = []
+
+    def killer():
+        pids = _worker_pids(camp)
+        seen.extend(pids)
+        deadline = time.time() + 60
+        while when == "evaluating" and not any(" turn " in r.getMessage() for r in list(caplog.records)):
+            assert time.time() < deadline
+            time.sleep(0.02)
+        os.kill(pids[1], signal.SIGKILL)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    t0 = time.time()
+    with pytest.raises(EvalWorkerFailed, match=r"eval worker 1 \(pid \d+\) failed, exit code -9 \(killed by SIGKILL\)"):
+        run_eval(cfg, camp, drafter_dir=eval_drafter)
+    t.join(5)
+    assert time.time() - t0 < 60
+    assert_failed_cleanly(camp, seen)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_eval_cli_signal_ends_every_worker(tmp_path, chat_target, eval_drafter, sig):
+    """`specops eval --workers 2`, then, once a worker is ready, SIGTERM (specops stop) or SIGINT
+    (Ctrl-C) to the eval process: it exits 130, the phase is marked failed, no worker is left."""
+    import signal
+    import subprocess
+    import sys
+
+    cfg, camp = write_campaign(tmp_path / "c", chat_target, TRAIN_SET, EVAL_SETS, limit=3,
+                               max_new_tokens=256)
+    log_path = tmp_path / "stderr.log"
+    with open(log_path, "w") as log_file:
+        p = subprocess.Popen([sys.executable, "-m", "specops", "eval", str(camp.root), "--drafter",
+                              str(eval_drafter), "--workers", "2"], stdout=subprocess.DEVNULL, stderr=log_file)
+    try:
+        pids = _worker_pids(camp)
+        assert camp.read_manifest()["phases"]["eval"]["workers"] == 2  # the CLI override reached the eval
+        deadline = time.time() + 60
+        while " ready: " not in log_path.read_text():  # a worker has loaded the models
+            assert time.time() < deadline and p.poll() is None, log_path.read_text()[-2000:]
+            time.sleep(0.05)
+        p.send_signal(getattr(signal, sig))
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    err = log_path.read_text()
+    assert p.returncode == 130, (p.returncode, err[-2000:])
+    phase = assert_failed_cleanly(camp, pids)
+    assert "Interrupted" in phase["error"] or "KeyboardInterrupt" in phase["error"]
+
+
+def test_export_config_rope_from_transformers5_rope_parameters():
+    """A speculators export written by transformers 5 keeps RoPE only in rope_parameters: the
+    evaluator must read theta (and scaling) from there, not fall back to 10000 silently."""
+    from specops.evaluate.specdec import drafter_config_from_export
+
+    layer = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "vocab_size": 256, "rms_norm_eps": 1e-5, "max_position_embeddings": 512,
+             "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
+    cfg = drafter_config_from_export({"transformer_layer_config": layer, "draft_vocab_size": 128,
+                                      "eagle_aux_hidden_state_layer_ids": [1, 2, 3], "target_hidden_size": 64})
+    assert cfg.rope_theta == 100000.0 and cfg.rope_scaling is None
+    layer["rope_parameters"] = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
+                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192}
+    cfg = drafter_config_from_export({"transformer_layer_config": layer, "eagle_aux_hidden_state_layer_ids": [1, 2, 3]})
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_scaling["factor"] == 8.0
+    # transformers 4 style (top-level rope_theta) still reads
+    flat = {k: v for k, v in layer.items() if k != "rope_parameters"} | {"rope_theta": 250000.0}
+    assert drafter_config_from_export({**flat, "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}).rope_theta == 250000.0

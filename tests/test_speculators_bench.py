@@ -87,7 +87,8 @@ def _convert(camp: Path, out: Path, monkeypatch, **kw) -> dict:
         written.update(ids=ids, mask=mask, seq_len=seq_len)
 
     monkeypatch.setattr(conv.Converter, "_write_dataset", fake_dataset)
-    m = conv.Converter(camp, out, workers=3, max_seq_len=kw.get("max_seq_len"), overwrite=False).run()
+    m = conv.Converter(camp, out, workers=3, max_seq_len=kw.get("max_seq_len"), overwrite=False,
+                       consume=kw.get("consume", False)).run()
     m["_columns"] = written
     return m
 
@@ -132,6 +133,25 @@ def test_convert_without_val_repeats_last_train_row(tmp_path, monkeypatch):
     assert m["val_is_copy_of_last_train_row"] and m["rows"] == m["n_train"] + 1
     assert int(m["rows"] * m["train_data_ratio"]) == m["n_train"]
     assert max(m["_columns"]["seq_len"]) == 5  # --max-seq-len cuts as train.max_seq_len does
+
+
+@pytest.mark.parametrize("with_val", [True, False])
+def test_convert_consume_frees_each_shard_and_writes_the_same(tmp_path, monkeypatch, with_val):
+    """--consume (one copy on disk, not two): every hs file is byte-identical to a normal conversion,
+    and every features shard is gone at the end (the repeated val row's shard only after it)."""
+    import shutil
+
+    camp = tmp_path / "camp"
+    make_campaign(camp)
+    if not with_val:
+        shutil.rmtree(camp / "features" / "val")
+    ref = _convert(camp, tmp_path / "ref", monkeypatch)
+    m = _convert(camp, tmp_path / "eat", monkeypatch, consume=True)
+    assert m["rows"] == ref["rows"] and m["consumed_feature_bytes"] > 0
+    for i in range(m["rows"]):
+        name = f"hs_{i}.safetensors"
+        assert (tmp_path / "eat" / "hidden_states" / name).read_bytes() == (tmp_path / "ref" / "hidden_states" / name).read_bytes()
+    assert not list((camp / "features").rglob("shard-*.safetensors"))
 
 
 # ------------------------------------------------------------------ checkpoint -> export

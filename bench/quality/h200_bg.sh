@@ -17,6 +17,10 @@ if [ ! -f "$W/results/disk.txt" ]; then
   { dd if=/dev/zero of="$W/ddtest" bs=16M count=256 conv=fsync 2>&1 | tail -1; nproc; df -h "$W" | tail -1; } > "$W/results/disk.txt"
   rm -f "$W/ddtest"
 fi
+# The GPU-only tests of the evaluator's static-cache runner (CUDA graphs vs eager vs HF), first.
+if [ ! -f "$W/results/gpu-tests.log" ]; then
+  (cd "$repo" && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fast_target.py) > "$W/results/gpu-tests.log" 2>&1
+fi
 python3 "$repo/bench/quality/run.py" all --work "$W" --model /root/model/smollm2.gguf \
   --carry /root/carry/.carry_q ${QUALITY_ARGS:-} 2>&1 | tee -a "$W/results/run.log"
 rc=${PIPESTATUS[0]}
@@ -24,7 +28,7 @@ echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 # With device time left: the earlier issues' GPU benchmarks again on this machine (issue 8, item 3).
 # Their inputs are synthetic except the local engine's, which runs the real converted SmolLM2.
 if [ "${QUALITY_BENCHES:-1}" = 1 ]; then
-  rm -rf "$W/anchor/data" "$W/campaign/features"  # the disk holds 64 GB; these are done with
+  rm -rf "$W/anchor/data" "$W/campaign/features"  # 64 GB of disk; these are done with
   hf=$(dirname "$(ls /root/cache/models/*/config.json | head -1)")
   cd "$repo"
   python3 bench/local_engine_gpu.py --tokenizer "$hf" --model "$hf" --batch 256 --hf-batch 64 \

@@ -142,8 +142,10 @@ def plan_split(split_dir: Path, max_seq_len: int | None) -> tuple[dict[str, Any]
 
 
 class Converter:
-    def __init__(self, camp: Path, out: Path, *, workers: int, max_seq_len: int | None, overwrite: bool):
+    def __init__(self, camp: Path, out: Path, *, workers: int, max_seq_len: int | None, overwrite: bool,
+                 consume: bool = False):
         self.camp, self.out, self.workers, self.overwrite = camp, out, workers, overwrite
+        self.consume = consume  # delete each features shard once all of its samples are written
         self.max_seq_len = max_seq_len
         self.local = threading.local()
         self.index: dict[str, dict[str, Any]] = {}
@@ -171,7 +173,7 @@ class Converter:
         cache = self.local.__dict__.setdefault("shards", {})
         key = (split, si)
         if key not in cache:
-            if len(cache) >= 4:
+            if len(cache) >= (1 if self.consume else 4):  # consume: unmap finished shards soon
                 cache.clear()
             cache[key] = Shard(self.camp / "features" / split / self.index[split]["shards"][si]["name"])
         return cache[key]
@@ -233,6 +235,11 @@ class Converter:
             loss_tokens += int(m.sum())
         self.local.__dict__.pop("shards", None)
 
+        # --consume: how many kept samples of each shard are still to write; at 0 the shard goes
+        left: dict[tuple[str, int], int] = {}
+        for split, (_, si, _, _) in order:  # the repeated val row too: its shard must outlive it
+            left[(split, si)] = left.get((split, si), 0) + 1
+        freed = 0
         written = skipped_existing = 0
         nbytes = 0
         done = 0
@@ -252,7 +259,14 @@ class Converter:
                     break
                 finished, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
                 for f in finished:
-                    _, n, new = f.result()
+                    i, n, new = f.result()
+                    if self.consume:
+                        split, (_, si, _, _) = order[i]
+                        left[(split, si)] -= 1
+                        if left[(split, si)] == 0:
+                            shard = self.camp / "features" / split / self.index[split]["shards"][si]["name"]
+                            freed += shard.stat().st_size if shard.exists() else 0
+                            shard.unlink(missing_ok=True)
                     nbytes += n
                     done += 1
                     written += new
@@ -280,6 +294,7 @@ class Converter:
             "aux_layer_convention": self.index["train"].get("aux_layer_convention"),
             "features_dtype": self.index["train"].get("dtype"),
             "final": "pre-norm (hidden_states[:, 3])",
+            "consumed_feature_bytes": freed,
             "hs_files": N, "hs_written": written, "hs_reused": skipped_existing, "hs_bytes": nbytes,
             "draft_vocab_size": vocab["draft_vocab_size"], "target_vocab_size": vocab["target_vocab_size"],
             "d2t_path": vocab["d2t_path"], "t2d_path": vocab["t2d_path"],
@@ -335,9 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=None,
                     help="cut samples as train.max_seq_len does (default: as build wrote them)")
     ap.add_argument("--overwrite", action="store_true", help="rewrite hs files that already exist")
+    ap.add_argument("--consume", action="store_true",
+                    help="delete each features shard once its samples are converted (the disk holds one copy, "
+                         "not two; the campaign's features are gone afterwards: only after training on them)")
     a = ap.parse_args(argv)
     conv = Converter(a.campaign.resolve(), a.out.resolve(), workers=a.workers, max_seq_len=a.max_seq_len,
-                     overwrite=a.overwrite)
+                     overwrite=a.overwrite, consume=a.consume)
     m = conv.run()
     print(f"rows {m['rows']} (train {m['n_train']}, val {m['n_val']}{' [copy]' if m['val_is_copy_of_last_train_row'] else ''}),"
           f" skipped unusable {m['skipped_unusable']}")

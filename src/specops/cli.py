@@ -280,13 +280,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate.report import write_report
-    from .evaluate.specdec import run_eval
+    from .evaluate.specdec import run_eval, with_workers
 
     camp = _campaign_from_arg(args.campaign)
     from .config import load_config
 
     cfg = load_config(args.campaign) if args.campaign.endswith(".toml") else load_config(camp.config_path)
-    summary = run_eval(cfg, camp, drafter_dir=args.drafter)
+    summary = run_eval(cfg if args.workers is None else with_workers(cfg, args.workers), camp,
+                       drafter_dir=args.drafter)
     md, html = write_report(camp)
     print(json.dumps(summary.get("overall", summary), indent=1, default=str))
     print(f"report: {html}")
@@ -367,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="real speculative decoding: tau, acceptance per position, speedup; report")
     ev.add_argument("campaign", help="campaign.toml or campaign directory")
     ev.add_argument("--drafter", help="a drafter export or checkpoint dir (default: the campaign's newest)")
+    ev.add_argument("--workers", type=int, metavar="N",
+                    help="N processes share the prompts on the one device (overrides eval.workers; "
+                         "tau and acceptance are exact, the speedup needs 1)")
     ev.set_defaults(func=_cmd_eval)
 
     pf = sub.add_parser("preflight", help="can I start? every GPU, disk vs forecast, RAM, model files, ports")

@@ -246,10 +246,18 @@ class EvalSection:
     device: str = "auto"  # auto: cuda if available else cpu
     seed: int = 0
     drafter: str | None = None  # an export dir or a training checkpoint; default: the campaign's latest
+    target_runner: Literal["auto", "hf", "static"] = "auto"  # auto: static cache + CUDA graphs on CUDA (fast_target.py)
+    # Processes evaluating conversations in parallel on the one device (each loads target + drafter);
+    # > 1 is for small, overhead-bound targets: tau and acceptance are exact, speedup needs workers = 1.
+    workers: int = 1
 
     def __post_init__(self) -> None:
         if not self.datasets:
             raise ConfigError("eval.datasets: at least one dataset is required")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int):
+            raise ConfigError(f"eval.workers: expected an integer, got {self.workers!r}")
+        if self.workers < 1:
+            raise ConfigError(f"eval.workers: must be >= 1 (worker processes on the eval device), got {self.workers}")
         names: set[str] = set()
         for entry in self.datasets:
             name = parse_eval_dataset(entry)[0]

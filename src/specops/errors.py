@@ -23,6 +23,10 @@ class CampaignLocked(SpecopsError):
     """Another live process holds the campaign lock."""
 
 
+class EvalWorkerFailed(SpecopsError):
+    """An eval worker process raised or was killed; the message carries its error and exit code."""
+
+
 class Interrupted(SpecopsError):
     """SIGINT/SIGTERM stopped a phase cleanly; rerunning resumes it."""
 

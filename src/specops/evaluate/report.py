@@ -36,10 +36,21 @@ def _f(x: float | None, spec: str) -> str:
 def verdict(overall: dict[str, Any], *, baseline_tokens_per_s: float | None, min_tau: float | None) -> dict[str, Any]:
     """Go/no-go from the pooled eval metrics. With baseline_tokens_per_s: speculative tokens/s must
     reach it; with min_tau: tau must reach it; with neither: the measured speedup over the in-process
-    target-only baseline must exceed 1."""
+    target-only baseline must exceed 1.
+
+    When overall["speedup_unavailable"] holds a reason (eval.workers > 1: the workers shared the
+    device, so wall-clock speed is not the batch-1 speed), the speed checks are recorded as skipped
+    (ok None) and never decide: only min_tau can make it a GO."""
     tau, tps = overall.get("tau"), overall.get("spec_tokens_per_s")
+    na = overall.get("speedup_unavailable")
     checks, reasons = [], []
-    if baseline_tokens_per_s is not None:
+    if na:
+        if baseline_tokens_per_s is not None:
+            checks.append({"check": "tokens_per_s", "value": None, "line": baseline_tokens_per_s, "ok": None,
+                           "skipped": na})
+        elif min_tau is None:
+            checks.append({"check": "measured_speedup", "value": None, "line": 1.0, "ok": None, "skipped": na})
+    elif baseline_tokens_per_s is not None:
         ok = tps is not None and tps >= baseline_tokens_per_s
         checks.append({"check": "tokens_per_s", "value": tps, "line": baseline_tokens_per_s, "ok": ok})
         if not ok:
@@ -49,14 +60,23 @@ def verdict(overall: dict[str, Any], *, baseline_tokens_per_s: float | None, min
         checks.append({"check": "tau", "value": tau, "line": min_tau, "ok": ok})
         if not ok:
             reasons.append(f"tau {_f(tau, '.2f')} < {min_tau:g}")
-    if baseline_tokens_per_s is None and min_tau is None:
+    if baseline_tokens_per_s is None and min_tau is None and not na:
         sp = overall.get("measured_speedup")
         ok = sp is not None and sp > 1.0
         checks.append({"check": "measured_speedup", "value": sp, "line": 1.0, "ok": ok})
         if not ok:
             reasons.append(f"measured speedup {_f(sp, '.2f')}x <= 1x vs the in-process target-only baseline")
-    go = bool(checks) and all(c["ok"] for c in checks)
-    if go:
+    judged = [c for c in checks if c["ok"] is not None]
+    go = bool(judged) and all(c["ok"] for c in judged)
+    if na:
+        why = f"(speed not judged: {na})"
+        if go:
+            line = f"GO: tau {_f(tau, '.2f')} >= {min_tau:g} {why}"
+        elif judged:
+            line = "NO-GO: " + "; ".join(reasons) + f" {why}"
+        else:
+            line = f"NO-GO: nothing judged {why}; set eval.min_tau, or rerun with workers = 1"
+    elif go:
         if baseline_tokens_per_s is not None:
             head = f"{tps / baseline_tokens_per_s:.2f}x vs {baseline_tokens_per_s:g} tok/s baseline"
         else:
@@ -400,6 +420,13 @@ def write_report(campaign: Campaign | str | Path) -> tuple[Path, Path]:
         t_md, t_html = _table(header, rows)
         md += [t_md, ""]
         hb.append(t_html)
+        na = summary.get("speedup_unavailable") or summary["overall"].get("speedup_unavailable")
+        if na:
+            note = (f"Measured speedup, speculative and target-only tokens/s: not reported ({na}; this eval ran "
+                    f"{summary.get('workers', '?')} workers on one device). tau and acceptance are exact; step "
+                    "times (c, ideal x) were measured with the workers sharing the device.")
+            md += [note, ""]
+            hb.append(f"<p>{html.escape(note)}</p>")
         ident = summary["overall"].get("identical_to_baseline")
         if ident is not None:
             note = f"Temperature 0: {ident:.0%} of turns token-for-token identical to target-only greedy decoding."
@@ -413,11 +440,12 @@ def write_report(campaign: Campaign | str | Path) -> tuple[Path, Path]:
         add_plot("tau", "tau per dataset (mean accepted tokens per target step)", bar_chart,
                  [(name, m.get("tau")) for name, m in entries], ylabel="tau",
                  hlines=[(f"min_tau {min_tau:g}", min_tau)] if min_tau is not None else [])
-        add_plot("throughput", "Decode throughput", bar_chart,
-                 [("speculative", summary["overall"].get("spec_tokens_per_s")),
-                  ("target only", summary["overall"].get("baseline_tokens_per_s"))], ylabel="tokens/s",
-                 hlines=[(f"baseline {line_tps:g} tok/s", line_tps)] if line_tps is not None else [],
-                 value_fmt=".1f")
+        if not na:  # under concurrent workers there is no throughput to draw (the note says why)
+            add_plot("throughput", "Decode throughput", bar_chart,
+                     [("speculative", summary["overall"].get("spec_tokens_per_s")),
+                      ("target only", summary["overall"].get("baseline_tokens_per_s"))], ylabel="tokens/s",
+                     hlines=[(f"baseline {line_tps:g} tok/s", line_tps)] if line_tps is not None else [],
+                     value_fmt=".1f")
     else:
         md += ["No eval results yet.", ""]
         hb.append("<p>No eval results yet.</p>")

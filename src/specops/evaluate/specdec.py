@@ -3,7 +3,8 @@
     drafter (export dir or checkpoint) + held-out prompt sets -> eval/<dataset>.json, eval/summary.json
 
 Verbs, gpt-fast style: `prefill`, `draft`, `verify`, `accept`, `speculative_generate` (the loop),
-`target_generate` (the no-speculation baseline on the same cache machinery), `summarize`, `run_eval`.
+`target_generate` (the no-speculation baseline on the same cache machinery), `summarize`, `run_eval`
+(one process, or eval.workers processes on one device).
 
 Bookkeeping (x_0..x_{n-1} the prompt; aux_t [3, H_t] the target's inputs to layers aux_layer_ids
 at position t; P = tokens in the target's KV cache; `last` = x_P, verified but not yet cached):
@@ -35,8 +36,28 @@ time in that round divided by k (per draft token: the catch-up call plus k-1 one
 cost ratio c = drafter step / target step gives the ideal speedup tau / (1 + k·c); the measured
 speedup is tokens/s against `target_generate` on the same prompts (wall clock, prefill included).
 On CUDA every timed section ends with a synchronize (a CPU-GPU sync point, as intended). The
-target runs eagerly with a DynamicCache everywhere (correct first; no StaticCache/CUDA graphs yet),
-so on a GPU small targets are bound by per-step Python overhead.
+target runner (eval.target_runner) is the same for the loop and the baseline: `TargetRunner` (HF
+forward, DynamicCache) or fast_target.StaticTargetRunner (preallocated KV cache; on CUDA the decode
+and verify steps replay CUDA graphs), the default on CUDA for supported decoders.
+
+Sampling (T > 0): every generation draws from its own generator, seeded from eval.seed, the
+conversation's index in the ordered list of all eval conversations (datasets in order), the turn
+and the stream (speculative or baseline): `prompt_seed`. Results never depend on what ran before
+in the process, so they are the same for any number of workers.
+
+Workers (eval.workers = N > 1, `specops eval --workers N`): the loop stays batch 1, and N processes
+(`python -m specops.evaluate.worker`, each loading the target and drafter on the same device) share
+the conversations: worker w takes w, w+N, w+2N, ... of the ordered list (a conversation's turns stay
+in one worker: turn 2 sees turn 1's answer). The parent reads the datasets, holds the campaign lock,
+records the worker pids in the manifest's eval entry, merges the rows back in the list's order and
+writes the same eval/<dataset>.json rows and the same tau / acceptance as one worker (timing fields
+aside). The workers share the device, so wall-clock throughput is not the batch-1 speed: with N > 1
+spec/baseline tokens/s and the measured speedup are null with `speedup_unavailable` = "concurrent
+workers: speedup needs workers = 1", and the verdict judges tau only (eval.min_tau); step times
+(c, ideal speedup) are still recorded, measured with the device shared. A worker that raises or is
+killed fails the eval (EvalWorkerFailed: its error and exit code) after the others are ended;
+SIGTERM and Ctrl-C end every worker (Interrupted / KeyboardInterrupt); workers die with the parent
+(PR_SET_PDEATHSIG). Nothing is written to eval/ unless every conversation came back.
 
 Data: eval.datasets are built-in sources or files read by generate/sources.py, `limit_per_dataset`
 prompts each, chat template applied with add_generation_prompt. Every user message is a generated
@@ -50,10 +71,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,8 +87,8 @@ import torch
 
 from ..campaign import Campaign, RunLock, atomic_write_json, now_iso
 from ..config import Config, DatasetSection, parse_eval_dataset
-from ..drafter.model import DrafterConfig, Eagle3Drafter, default_aux_layer_ids
-from ..errors import ConfigError, InputError, SpecopsError
+from ..drafter.model import DrafterConfig, Eagle3Drafter, default_aux_layer_ids, rope_from_hf
+from ..errors import ConfigError, EvalWorkerFailed, InputError, Interrupted, SpecopsError
 from .report import verdict
 
 log = logging.getLogger("specops.eval")
@@ -109,8 +133,8 @@ class TargetRunner:
             if not 0 <= i <= L:
                 raise InputError(f"aux layer id {i} out of range 0..{L} (input-to-layer ids)")
 
-    def new_cache(self) -> Any:
-        # No config: every layer is a full, croppable DynamicLayer (sliding-window models keep their
+    def new_cache(self, max_len: int | None = None) -> Any:
+        # max_len (a sizing hint for preallocated caches) is not needed here. No config: every layer is a full, croppable DynamicLayer (sliding-window models keep their
         # window through the attention mask, at the memory cost of the full history).
         from transformers import DynamicCache
 
@@ -381,7 +405,7 @@ def speculative_generate(runner: TargetRunner, drafter: Eagle3Drafter, prompt: S
     res = SpecResult(prompt_tokens=n, k=k, tokens=[], finish_reason="length")
     _sync(dev)
     t_start = time.perf_counter()
-    cache = runner.new_cache()
+    cache = runner.new_cache(n + max_new_tokens + k + 1)
     logits, aux = prefill(runner, ids, cache, aux=True)  # aux [n, 3, H_t]
     last = _pick(logits, temperature, gen)  # x_n
     _sync(dev)
@@ -440,7 +464,7 @@ def target_generate(runner: TargetRunner, prompt: Sequence[int] | torch.Tensor, 
     res = BaselineResult(prompt_tokens=n, tokens=[], finish_reason="length")
     _sync(dev)
     t_start = time.perf_counter()
-    cache = runner.new_cache()
+    cache = runner.new_cache(n + max_new_tokens + 1)
     logits, _ = prefill(runner, ids, cache, aux=False)
     tok = _pick(logits, temperature, gen)
     generated = [int(tok)]
@@ -463,8 +487,10 @@ def target_generate(runner: TargetRunner, prompt: Sequence[int] | torch.Tensor, 
 # ---------------------------------------------------------------- metrics
 
 
-def summarize(rows: list[dict[str, Any]], k: int) -> dict[str, Any]:
-    """Pooled metrics over turns; each row has "spec" (SpecResult.to_json) and optionally "baseline"."""
+def summarize(rows: list[dict[str, Any]], k: int, *, speedup_unavailable: str | None = None) -> dict[str, Any]:
+    """Pooled metrics over turns; each row has "spec" (SpecResult.to_json) and optionally "baseline".
+    `speedup_unavailable` (a reason: the turns ran in processes sharing the device) nulls the
+    wall-clock throughput (tokens/s both ways and the measured speedup); step times stay."""
     specs = [r["spec"] for r in rows]
     bases = [r["baseline"] for r in rows if r.get("baseline")]
     accepted = [a for s in specs for a in s["accepted"]]
@@ -480,8 +506,8 @@ def summarize(rows: list[dict[str, Any]], k: int) -> dict[str, Any]:
     c = d_ms / t_ms if t_ms and d_ms is not None else None
     spec_tok, spec_wall = sum(s["new_tokens"] for s in specs), sum(s["wall_s"] for s in specs)
     base_tok, base_wall = sum(b["new_tokens"] for b in bases), sum(b["wall_s"] for b in bases)
-    spec_tps = spec_tok / spec_wall if spec_wall > 0 else None
-    base_tps = base_tok / base_wall if base_wall > 0 else None
+    spec_tps = spec_tok / spec_wall if spec_wall > 0 and not speedup_unavailable else None
+    base_tps = base_tok / base_wall if base_wall > 0 and not speedup_unavailable else None
     hist = [0] * (k + 1)
     for a in accepted:
         hist[a] += 1
@@ -506,6 +532,7 @@ def summarize(rows: list[dict[str, Any]], k: int) -> dict[str, Any]:
         "spec_tokens_per_s": spec_tps,
         "baseline_tokens_per_s": base_tps,
         "measured_speedup": spec_tps / base_tps if spec_tps and base_tps else None,
+        "speedup_unavailable": speedup_unavailable,
         "identical_to_baseline": (sum(same) / len(same)) if same else None,
     }
 
@@ -522,6 +549,7 @@ def drafter_config_from_export(config: dict[str, Any], num_hidden_layers: int | 
         if num_hidden_layers is None:
             raise InputError("export config has no eagle_aux_hidden_state_layer_ids and the target's depth is unknown")
         aux = default_aux_layer_ids(num_hidden_layers)
+    theta, scaling = rope_from_hf(layer)  # transformers 5 writes both inside rope_parameters
     return DrafterConfig(
         hidden_size=hidden,
         intermediate_size=int(layer["intermediate_size"]),
@@ -532,8 +560,8 @@ def drafter_config_from_export(config: dict[str, Any], num_hidden_layers: int | 
         draft_vocab_size=int(config.get("draft_vocab_size") or layer["vocab_size"]),
         aux_layer_ids=[int(i) for i in aux],
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(layer.get("rope_theta") or 10000.0),
-        rope_scaling=layer.get("rope_scaling"),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
         target_hidden_size=int(config.get("target_hidden_size") or hidden),
         norm_before_residual=bool(config.get("norm_before_residual", False)),
@@ -713,12 +741,26 @@ def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], template_kwargs:
     return [int(t) for t in out]
 
 
+SPEEDUP_UNAVAILABLE = "concurrent workers: speedup needs workers = 1"
+
+
+def prompt_seed(seed: int, index: int, turn: int, stream: str) -> int:
+    """The sampling seed of one generation: eval.seed, the conversation's index in the ordered eval
+    list (all datasets), the turn and the stream ("spec" or "baseline"), hashed to 63 bits. Seeded
+    per generation, never per process: the samples do not depend on which worker ran a conversation,
+    on how many workers there are, or on what ran before it."""
+    h = hashlib.sha256(f"specops-eval/{seed}/{index}/{turn}/{stream}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
 def run_eval(cfg: Config, campaign: Campaign, *, drafter_dir: str | os.PathLike[str] | None = None,
              lock: bool = True, target: Any = None) -> dict[str, Any]:
     """The eval phase: measured tau and speedup per dataset -> eval/<dataset>.json, eval/summary.json.
 
     `drafter_dir` (else eval.drafter, else the campaign's latest checkpoint or export). `target`
-    reuses a loaded extract.TargetModel. Returns the summary.
+    reuses a loaded extract.TargetModel (workers = 1 only: each worker loads its own). With
+    eval.workers = N > 1, N worker processes share the conversations (module docstring). Returns
+    the summary; nothing is written to eval/ unless every conversation was evaluated.
     """
     from ..generate.sources import open_source
 
@@ -735,9 +777,11 @@ def run_eval(cfg: Config, campaign: Campaign, *, drafter_dir: str | os.PathLike[
     out_dir = campaign.root / "eval"
     lockctx = RunLock(campaign, "eval") if lock else contextlib.nullcontext()
     with lockctx:
-        campaign.set_phase("eval", "running", pid=os.getpid(), drafter=str(dpath))
+        campaign.set_phase("eval", "running", pid=os.getpid(), drafter=str(dpath), workers=ec.workers,
+                           worker_pids=None)
         try:
-            summary = _run(cfg, evals, sources, seen, dpath, out_dir, target)
+            summary = _run(cfg, evals, sources, seen, dpath, out_dir, target,
+                           on_workers=lambda pids: _record_worker_pids(campaign, pids))
         except BaseException as e:
             campaign.set_phase("eval", "failed", error=f"{type(e).__name__}: {e}")
             raise
@@ -748,92 +792,172 @@ def run_eval(cfg: Config, campaign: Campaign, *, drafter_dir: str | os.PathLike[
     return summary
 
 
+def _record_worker_pids(campaign: Campaign, pids: list[int]) -> None:
+    """The running eval's worker pids into its manifest entry (for humans and `status`)."""
+    m = campaign.read_manifest() or {"phases": {}}
+    m.setdefault("phases", {}).setdefault("eval", {})["worker_pids"] = pids
+    campaign.write_manifest(m)
+
+
+def _work_items(evals: list[DatasetSection], sources: dict[str, Any], seen: dict[str, dict[str, str]]
+                ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """The ordered conversation list over all datasets ({index, dataset, id, messages}; `index` is
+    the position in it) and the quarantined records per dataset. Read before any model loads."""
+    from ..generate.types import Quarantined
+
+    items: list[dict[str, Any]] = []
+    quarantined: dict[str, list[dict[str, Any]]] = {}
+    for ds in evals:
+        q = quarantined.setdefault(ds.name, [])
+        first = len(items)
+        for item in sources[ds.name]:
+            if isinstance(item, Quarantined):
+                q.append({"where": item.where, "reason": item.reason})
+            elif item.id not in seen.get(ds.name, {}):
+                items.append({"index": len(items), "dataset": ds.name, "id": item.id, "messages": item.messages})
+        if len(items) == first:
+            raise InputError(f"eval dataset {ds.name!r}: no usable prompt ({len(q)} quarantined)")
+    return items, quarantined
+
+
+class _Evaluator:
+    """One process's models (target, tokenizer, drafter) and the per-conversation loop."""
+
+    def __init__(self, cfg: Config, dpath: Path, target: Any = None):
+        from transformers import AutoTokenizer
+
+        from ..extract import load_target
+        from ..models import resolve_device, resolve_model_dir
+
+        self.ec = ec = cfg.eval
+        if target is None:
+            target = load_target(resolve_model_dir(cfg.target.model), cfg.target.dtype, resolve_device(ec.device))
+        self.target = target
+        self.device = torch.device(target.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.target.tokenizer or target.model_dir))
+        self.drafter = load_eval_drafter(dpath, target, self.device)
+        from .fast_target import make_target_runner
+
+        self.runner = make_target_runner(target, self.drafter.config.aux_layer_ids, ec.target_runner)
+        self.eos = _eos_ids(target.model, self.tokenizer)
+        self.template_kwargs = dict((cfg.generate.extra_body or {}).get("chat_template_kwargs") or {})
+
+    def info(self) -> dict[str, Any]:
+        from .fast_target import runner_info
+
+        return {"target": str(self.target.model_dir), "aux_layer_ids": self.drafter.config.aux_layer_ids,
+                "device": str(self.device), "dtype": str(self.target.dtype).removeprefix("torch."),
+                **runner_info(self.runner)}
+
+    def _gen(self, index: int, turn: int, stream: str) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(prompt_seed(self.ec.seed, index, turn, stream))
+
+    def warm_up(self) -> None:
+        """Allocator, kernels, lazy init: the timings after it are steady-state."""
+        ec = self.ec
+        warm = _prompt_ids(self.tokenizer, [{"role": "user", "content": "Hello"}], self.template_kwargs)
+        gen = self._gen(-1, 0, "warmup")
+        speculative_generate(self.runner, self.drafter, warm, k=ec.k, max_new_tokens=min(8, ec.max_new_tokens),
+                             temperature=ec.temperature, eos_ids=self.eos, gen=gen)
+        target_generate(self.runner, warm, max_new_tokens=min(8, ec.max_new_tokens), temperature=ec.temperature,
+                        eos_ids=self.eos, gen=gen)
+
+    def run_item(self, item: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
+        """Every turn of one conversation -> (rows, seconds spent)."""
+        ec, tok, eos = self.ec, self.tokenizer, self.eos
+        k, T = ec.k, ec.temperature
+        t0 = time.perf_counter()
+        rows: list[dict[str, Any]] = []
+        for history, turn in _turns(item["messages"]):
+            ids = _prompt_ids(tok, history, self.template_kwargs)
+            spec = speculative_generate(self.runner, self.drafter, ids, k=k, max_new_tokens=ec.max_new_tokens,
+                                        temperature=T, eos_ids=eos, gen=self._gen(item["index"], turn, "spec"))
+            base = target_generate(self.runner, ids, max_new_tokens=ec.max_new_tokens, temperature=T, eos_ids=eos,
+                                   gen=self._gen(item["index"], turn, "baseline"))
+            answer = tok.decode([t for t in spec.tokens if t not in eos], skip_special_tokens=True)
+            history.append({"role": "assistant", "content": answer})
+            rows.append({"id": item["id"], "turn": turn, "prompt_tokens": len(ids), "answer": answer,
+                         "spec": spec.to_json(), "baseline": base.to_json(),
+                         "identical": (spec.tokens == base.tokens) if T == 0 else None})
+        return rows, time.perf_counter() - t0
+
+
+def _log_rows(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        sj, bj = r["spec"], r["baseline"]
+        log.info("%s turn %d: %d tokens, tau %.2f, %.1f vs %.1f tok/s", r["id"], r["turn"], len(sj["tokens"]),
+                 sj["tau"] or 0.0, sj["tokens_per_s"] or 0.0, bj["tokens_per_s"] or 0.0)
+
+
 def _run(cfg: Config, evals: list[DatasetSection], sources: dict[str, Any], seen: dict[str, dict[str, str]],
-         dpath: Path, out_dir: Path, target: Any) -> dict[str, Any]:
+         dpath: Path, out_dir: Path, target: Any, on_workers: Any = None) -> dict[str, Any]:
     import transformers
-    from transformers import AutoTokenizer
 
     from .. import __version__
-    from ..extract import load_target
-    from ..generate.types import Quarantined
-    from ..models import resolve_device, resolve_model_dir
 
     ec = cfg.eval
     t_phase = time.time()
-    if target is None:
-        device = resolve_device(ec.device)
-        target = load_target(resolve_model_dir(cfg.target.model), cfg.target.dtype, device)
-    device = torch.device(target.device)
-    tokenizer = AutoTokenizer.from_pretrained(str(cfg.target.tokenizer or target.model_dir))
-    drafter = load_eval_drafter(dpath, target, device)
-    runner = TargetRunner(target, drafter.config.aux_layer_ids)
-    eos = _eos_ids(target.model, tokenizer)
-    gen = torch.Generator(device=device).manual_seed(ec.seed)
-    template_kwargs = dict((cfg.generate.extra_body or {}).get("chat_template_kwargs") or {})
+    items, quarantined = _work_items(evals, sources, seen)
     k, T = ec.k, ec.temperature
+    workers = min(ec.workers, len(items))  # never a worker without a conversation
+    if workers == 1:
+        ev = _Evaluator(cfg, dpath, target)
+        info = ev.info()
+        ev.warm_up()
+        results = []
+        for item in items:
+            results.append(ev.run_item(item))
+            _log_rows(results[-1][0])
+    else:
+        if target is not None:
+            log.info("eval.workers = %d: each worker loads its own target (the loaded one is not used)", workers)
+        info, results = _run_workers(cfg, dpath, items, workers, on_workers)
+    na = SPEEDUP_UNAVAILABLE if workers > 1 else None
 
-    # Warm-up (allocator, kernels, lazy init): timings below are steady-state.
-    warm = _prompt_ids(tokenizer, [{"role": "user", "content": "Hello"}], template_kwargs)
-    speculative_generate(runner, drafter, warm, k=k, max_new_tokens=min(8, ec.max_new_tokens), temperature=T,
-                         eos_ids=eos, gen=gen)
-    target_generate(runner, warm, max_new_tokens=min(8, ec.max_new_tokens), temperature=T, eos_ids=eos, gen=gen)
-
-    out_dir.mkdir(parents=True, exist_ok=True)
     per_ds: dict[str, Any] = {}
+    per_rows: dict[str, list[dict[str, Any]]] = {ds.name: [] for ds in evals}
+    spent: dict[str, float] = {ds.name: 0.0 for ds in evals}
+    for item, (rows, elapsed) in zip(items, results):
+        per_rows[item["dataset"]].extend(rows)
+        spent[item["dataset"]] += elapsed
+    for ds in evals:  # every dataset checked before anything is written
+        if not per_rows[ds.name]:
+            raise InputError(f"eval dataset {ds.name!r}: no usable prompt ({len(quarantined[ds.name])} quarantined)")
+    out_dir.mkdir(parents=True, exist_ok=True)
     all_rows: list[dict[str, Any]] = []
     for ds in evals:
-        src = sources[ds.name]
-        rows: list[dict[str, Any]] = []
-        quarantined: list[dict[str, Any]] = []
-        t_ds = time.time()
-        for item in src:
-            if isinstance(item, Quarantined):
-                quarantined.append({"where": item.where, "reason": item.reason})
-                continue
-            if item.id in seen.get(ds.name, {}):
-                continue
-            for history, turn in _turns(item.messages):
-                ids = _prompt_ids(tokenizer, history, template_kwargs)
-                spec = speculative_generate(runner, drafter, ids, k=k, max_new_tokens=ec.max_new_tokens,
-                                            temperature=T, eos_ids=eos, gen=gen)
-                base = target_generate(runner, ids, max_new_tokens=ec.max_new_tokens, temperature=T,
-                                       eos_ids=eos, gen=gen)
-                answer = tokenizer.decode([t for t in spec.tokens if t not in eos], skip_special_tokens=True)
-                history.append({"role": "assistant", "content": answer})
-                sj = spec.to_json()
-                rows.append({"id": item.id, "turn": turn, "prompt_tokens": len(ids), "answer": answer,
-                             "spec": sj, "baseline": base.to_json(),
-                             "identical": (spec.tokens == base.tokens) if T == 0 else None})
-                log.info("%s turn %d: %d tokens, tau %.2f, %.1f vs %.1f tok/s", item.id, turn, len(spec.tokens),
-                         sj["tau"] or 0.0, sj["tokens_per_s"] or 0.0, rows[-1]["baseline"]["tokens_per_s"] or 0.0)
-        if not rows:
-            raise InputError(f"eval dataset {ds.name!r}: no usable prompt ({len(quarantined)} quarantined)")
-        metrics = summarize(rows, k)
-        per_ds[ds.name] = {**metrics, "prompts": len({r["id"] for r in rows}), "quarantined": len(quarantined),
+        rows = per_rows[ds.name]
+        metrics = summarize(rows, k, speedup_unavailable=na)
+        per_ds[ds.name] = {**metrics, "prompts": len({r["id"] for r in rows}),
+                           "quarantined": len(quarantined[ds.name]),
                            "excluded_seen_in_training": len(seen.get(ds.name, {})),
-                           "elapsed_s": round(time.time() - t_ds, 3)}
+                           "elapsed_s": round(spent[ds.name], 3)}
         atomic_write_json(out_dir / f"{ds.name}.json", {
             "dataset": ds.name, "source": ds.source, "paths": sources[ds.name].paths, "drafter": str(dpath),
             "k": k, "temperature": T, "max_new_tokens": ec.max_new_tokens, "summary": per_ds[ds.name],
-            "quarantined": quarantined, "excluded_seen_in_training": seen.get(ds.name, {}), "rows": rows,
+            "quarantined": quarantined[ds.name], "excluded_seen_in_training": seen.get(ds.name, {}), "rows": rows,
         })
         all_rows.extend(rows)
-    overall = summarize(all_rows, k)
+    overall = summarize(all_rows, k, speedup_unavailable=na)
     v = verdict(overall, baseline_tokens_per_s=ec.baseline_tokens_per_s, min_tau=ec.min_tau)
     summary = {
         "format": "specops-eval-v1",
         "finished": now_iso(),
         "elapsed_s": round(time.time() - t_phase, 3),
-        "target": str(target.model_dir),
+        "target": info["target"],
         "drafter": str(dpath),
-        "aux_layer_ids": drafter.config.aux_layer_ids,
+        "aux_layer_ids": info["aux_layer_ids"],
         "aux_layer_convention": "input-to-layer (= HF hidden_states index)",
-        "device": str(device),
-        "dtype": str(target.dtype).removeprefix("torch."),
+        "device": info["device"],
+        "dtype": info["dtype"],
         "k": k,
         "temperature": T,
         "max_new_tokens": ec.max_new_tokens,
         "seed": ec.seed,
+        "workers": workers,
+        "target_runner": info.get("target_runner"),
+        "cuda_graphs": info.get("cuda_graphs"),
+        "speedup_unavailable": na,
         "datasets": per_ds,
         "overall": overall,
         "baseline_tokens_per_s_line": ec.baseline_tokens_per_s,
@@ -846,11 +970,203 @@ def _run(cfg: Config, evals: list[DatasetSection], sources: dict[str, Any], seen
             "ideal_speedup": "tau / (1 + k·c), which assumes a verification costs one decode step",
             "verify_over_decode": "verification step time / one-token decode step time",
             "measured_speedup": "speculative tokens/s / in-process target-only tokens/s (wall clock, prefill included)",
+            "workers": "processes sharing the device; > 1: tokens/s and measured speedup are null "
+                       "(speedup_unavailable), step times are measured with the device shared",
+            "target_runner": "hf: HF forward with a DynamicCache; static: preallocated KV cache (fast_target.py); "
+                             "the speculative loop and the baseline use the same one. cuda_graphs: the static "
+                             "runner replays CUDA graphs for decode/verify (as of the start; a failed capture "
+                             "later falls back to eager with a warning)",
+            "seed": "each generation samples from its own generator, seeded from (seed, conversation index, "
+                    "turn, spec|baseline)",
         },
         "versions": {"specops": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
     }
     atomic_write_json(out_dir / "summary.json", summary)
     return summary
+
+
+# ---------------------------------------------------------------- worker processes (eval.workers > 1)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel SIGKILLs this process when its parent dies (no orphan worker holding a GPU
+    after the eval process itself is SIGKILLed)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(1)
+
+
+def _worker_main(argv: list[str]) -> int:
+    """A worker process: `python -m specops.evaluate.worker ARGS RESULT_FD` (started by _run_workers
+    only). ARGS: a JSON file {w, workers, config, source_path, dpath, items, parent_pid}. Loads the models, evaluates
+    its items in order and sends on RESULT_FD (a multiprocessing Connection): ("ready", info),
+    ("item", index, rows, seconds) per conversation, then ("done",), or ("error", text, traceback).
+    SIGINT is ignored (a terminal's Ctrl-C reaches the whole group: the parent ends the workers);
+    SIGTERM keeps its default action, the parent's way to end a worker. Returns the exit code."""
+    import traceback
+    from multiprocessing.connection import Connection
+
+    from ..config import config_from_dict
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    args = json.loads(Path(argv[0]).read_text())
+    conn = Connection(int(argv[1]), readable=False)
+    _die_with_parent(args["parent_pid"])
+    w, workers = args["w"], args["workers"]
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s eval-worker-{w}: %(message)s")
+    code = 0
+    try:
+        # the CPU's threads shared among the workers (on a GPU the device is the shared part)
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // workers)))
+        src = args["source_path"]
+        ev = _Evaluator(config_from_dict(args["config"], Path(src) if src else None), Path(args["dpath"]))
+        conn.send(("ready", ev.info()))
+        ev.warm_up()
+        for item in args["items"]:
+            rows, spent = ev.run_item(item)
+            conn.send(("item", item["index"], rows, spent))
+        conn.send(("done",))
+    except BaseException as e:  # noqa: BLE001 - everything goes to the parent, which raises it
+        code = e.exit_code if isinstance(e, SpecopsError) else 1
+        with contextlib.suppress(BaseException):
+            conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+    finally:
+        with contextlib.suppress(BaseException):
+            conn.close()
+    return code
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Interrupted(f"eval stopped by {signal.Signals(signum).name}: every worker ended, nothing written; "
+                      "rerun to evaluate again")
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"exit code {code} (killed by {signal.Signals(-code).name})"
+    return f"exit code {code}"
+
+
+def _run_workers(cfg: Config, dpath: Path, items: list[dict[str, Any]], workers: int, on_workers: Any
+                 ) -> tuple[dict[str, Any], list[tuple[list[dict[str, Any]], float]]]:
+    """Start `workers` processes (`python -m specops.evaluate.worker`; worker w gets items w, w+N, ...)
+    and collect their rows by item index. A worker that fails (an error, a signal, an exit before
+    finishing) ends the others and raises EvalWorkerFailed with its error and exit code; SIGTERM
+    (handled while this runs in the main thread) and Ctrl-C end them too. Returns (the first
+    worker's info, [(rows, seconds)] in item order)."""
+    import subprocess
+    import tempfile
+    from multiprocessing.connection import Connection, wait
+
+    if not ((dpath / "drafter_config.json").is_file() or (dpath / "config.json").is_file()):
+        raise InputError(f"{dpath}: neither a training checkpoint (drafter_config.json) nor an export (config.json)")
+    env = dict(os.environ)  # the workers import this very specops, installed or not
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    procs: list[subprocess.Popen] = []
+    conns: list[Connection] = []
+    results: dict[int, tuple[list[dict[str, Any]], float]] = {}
+    info: dict[str, Any] | None = None
+    done: set[int] = set()
+    errors: dict[int, tuple[str, str]] = {}
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    tmp = tempfile.TemporaryDirectory(prefix="specops-eval-")
+    try:
+        for w in range(workers):
+            args = Path(tmp.name) / f"worker-{w}.json"
+            args.write_text(json.dumps({"w": w, "workers": workers, "config": cfg.to_dict(),
+                                        "source_path": str(cfg.source_path) if cfg.source_path else None,
+                                        "dpath": str(dpath), "items": items[w::workers], "parent_pid": os.getpid()}))
+            r, wfd = os.pipe()
+            conns.append(Connection(r, writable=False))
+            try:
+                procs.append(subprocess.Popen([sys.executable, "-m", "specops.evaluate.worker", str(args), str(wfd)],
+                                              pass_fds=(wfd,), env=env, stdin=subprocess.DEVNULL))
+            finally:
+                os.close(wfd)  # the worker holds the only write end: its end is EOF here
+        pids = [p.pid for p in procs]
+        log.info("eval: %d conversations over %d workers (pids %s)", len(items), workers, pids)
+        if on_workers is not None:
+            on_workers(pids)
+
+        def receive(w: int) -> bool:
+            """One message from worker w; False at EOF (it closed its end: it is ending)."""
+            nonlocal info
+            try:
+                msg = conns[w].recv()
+            except (EOFError, OSError):
+                return False
+            if msg[0] == "ready":
+                info = info or msg[1]
+                log.info("eval worker %d (pid %d) ready: %s", w, procs[w].pid, msg[1]["device"])
+            elif msg[0] == "item":
+                results[msg[1]] = (msg[2], msg[3])
+                _log_rows(msg[2])
+            elif msg[0] == "done":
+                done.add(w)
+            elif msg[0] == "error":
+                errors[w] = (msg[1], msg[2])
+            return True
+
+        def finish(w: int) -> None:
+            p = procs[w]
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.returncode != 0 or w not in done:
+                text, tb = errors.get(w, ("no error reported (killed by a signal, or out of memory?)" if p.returncode
+                                          else "it ended before finishing its conversations", ""))
+                if tb:
+                    log.error("eval worker %d (pid %d) traceback:\n%s", w, p.pid, tb.rstrip())
+                raise EvalWorkerFailed(f"eval worker {w} (pid {p.pid}) failed, {_exit_text(p.returncode)}: {text}")
+
+        pending = set(range(workers))
+        while pending:
+            for c in wait([conns[w] for w in pending], timeout=5.0):
+                w = conns.index(c)
+                if not receive(w):
+                    pending.discard(w)
+                    finish(w)
+            for w in list(pending):  # ended without its end closing (a descendant holding it): judge it now
+                if procs[w].poll() is not None:
+                    while conns[w].poll() and receive(w):
+                        pass
+                    pending.discard(w)
+                    finish(w)
+        missing = [it["index"] for it in items if it["index"] not in results]
+        if missing or info is None:
+            raise EvalWorkerFailed(f"eval workers finished without results for conversations {missing[:10]}")
+        return info, [results[it["index"]] for it in items]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + 10.0
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for c in conns:
+            c.close()
+        tmp.cleanup()
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def with_workers(cfg: Config, workers: int | None) -> Config:
+    """cfg with eval.workers overridden (validated as in campaign.toml); None: unchanged."""
+    import dataclasses
+
+    return cfg if workers is None else dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, workers=workers))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -860,13 +1176,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("campaign", help="campaign directory (holds campaign.toml)")
     ap.add_argument("--drafter", help="an export dir or training checkpoint (default: eval.drafter, else the latest)")
     ap.add_argument("--no-report", action="store_true", help="skip eval/report.md and report.html")
+    ap.add_argument("--workers", type=int, help="worker processes on the device (overrides eval.workers)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         camp = Campaign(args.campaign)
         if not camp.config_path.is_file():
             raise InputError(f"{camp.config_path}: not found (is {camp.root} a campaign directory?)")
-        cfg = load_config(camp.config_path)
+        cfg = with_workers(load_config(camp.config_path), args.workers)
         summary = run_eval(cfg, camp, drafter_dir=args.drafter)
         if not args.no_report:
             from .report import write_report
