@@ -70,6 +70,8 @@ def hf_run(model_dir: Path, batch: int, new: int) -> float:
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.padding_side = "left"
+    if tok.pad_token is None:  # the converted SmolLM2 has none: pad with id 2 (what generate is told below)
+        tok.pad_token = tok.convert_ids_to_tokens(2)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().eval()
     texts = [tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
              for r in requests(batch, new)]

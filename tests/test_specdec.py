@@ -769,3 +769,34 @@ def test_export_config_rope_from_transformers5_rope_parameters():
     # transformers 4 style (top-level rope_theta) still reads
     flat = {k: v for k, v in layer.items() if k != "rope_parameters"} | {"rope_theta": 250000.0}
     assert drafter_config_from_export({**flat, "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}).rope_theta == 250000.0
+
+
+def test_target_runner_passes_the_cache_under_the_forward_signature_name():
+    """transformers before the `cache` rename (e.g. 5.17, on the H200 image) takes
+    `past_key_values`; an unknown keyword would be swallowed by **kwargs and every verify step would
+    run without the cache (found on the H200: the cache stayed empty). The runner asks the signature."""
+    from types import SimpleNamespace
+
+    from specops.evaluate.specdec import TargetRunner
+
+    seen = {}
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, position_ids=None, past_key_values=None, use_cache=None,
+                    logits_to_keep=0, **kwargs):
+            seen.update(kwargs, past_key_values=past_key_values)
+            return SimpleNamespace(logits=torch.zeros(1, input_ids.shape[1], 4))
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, position_ids=None, cache=None, use_cache=None, logits_to_keep=0, **kwargs):
+            seen.update(kwargs, cache=cache)
+            return SimpleNamespace(logits=torch.zeros(1, input_ids.shape[1], 4))
+
+    for model, name in ((Old(), "past_key_values"), (New(), "cache")):
+        seen.clear()
+        t = SimpleNamespace(model=model, device="cpu", num_hidden_layers=2, hidden_size=4, dtype=torch.float32)
+        r = TargetRunner(t, [0, 1, 2])
+        marker = object()
+        r.forward(torch.zeros(1, 3, dtype=torch.long), marker, 0, aux=False)
+        assert seen.get(name) is marker and r.cache_kw == name
+        assert not ({"cache", "past_key_values"} - {name}) & {k for k, v in seen.items() if v is marker}

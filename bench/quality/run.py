@@ -50,6 +50,14 @@ SCALES: dict[str, dict[str, Any]] = {
         log_every=20, eval_every=400, checkpoint_every=400, anchor_lr=1e-3, anchor_timeout_s=480, eval_limit=80, spec_bench_limit=480,
         eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=80,
     ),
+    # tau of a drafter trained on the GPU, measured on this 2-core CPU (fp32): fewer prompts, 1 worker
+    "cpu": dict(
+        sharegpt=9000, bfcl=None, max_tokens=512, batch_size=8, concurrency=16, dtype="float32",
+        max_model_len=2048, draft_vocab=32000, epochs=3, lr=5e-4, warmup=50, batch_tokens=16384,
+        log_every=20, eval_every=400, checkpoint_every=400, anchor_lr=1e-3, anchor_timeout_s=480,
+        eval_limit=20, spec_bench_limit=20, eval_new_tokens=128, timing_limit=4, timing_new_tokens=128,
+        workers=1, t1_limit=10,
+    ),
     "smoke": dict(
         sharegpt=6, bfcl=4, max_tokens=24, batch_size=8, concurrency=16, dtype="float32",
         max_model_len=1024, draft_vocab=2048, epochs=1, lr=5e-4, warmup=2, batch_tokens=2048,
@@ -242,8 +250,10 @@ def phase_timing(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path
     write_result(work, "timing", out)
 
 
-def phase_eval(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path, which: list[str]) -> None:
-    drafters = {"ours": work / "campaign" / "drafter" / "export" / "vllm", "anchor": work / "anchor" / "eval_drafter"}
+def phase_eval(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path, which: list[str],
+               ours_drafter: Path | None = None) -> None:
+    drafters = {"ours": ours_drafter or work / "campaign" / "drafter" / "export" / "vllm",
+                "anchor": work / "anchor" / "eval_drafter"}
     jobs = []
     for who in which:
         if not (drafters[who] / "config.json").is_file():
@@ -331,6 +341,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="target.model: 'smollm2', a .gguf or an HF dir")
     ap.add_argument("--carry", type=Path, default=REPO / ".carry_q")
     ap.add_argument("--skip-anchor", action="store_true")
+    ap.add_argument("--ours-drafter", type=Path, help="evaluate this export as ours (eval phase only)")
     args = ap.parse_args()
     s = SCALES[args.scale]
     work = args.work.resolve()
@@ -350,19 +361,20 @@ def main() -> None:
     steps = {
         "ours": lambda: phase_ours(work, cfg_path),
         "timing": lambda: phase_timing(work, base, s, data),
-        "eval-ours": lambda: phase_eval(work, base, s, data, ["ours"]),
+        "eval-ours": lambda: phase_eval(work, base, s, data, ["ours"], args.ours_drafter),
         "anchor": lambda: phase_anchor(work, s, args.model),
         "eval-anchor": lambda: phase_eval(work, base, s, data, ["anchor"]),
     }
     wanted = {"all": list(steps), "ours": ["ours"], "timing": ["timing"], "anchor": ["anchor"],
-              "eval": ["eval-ours", "eval-anchor"], "collect": []}[args.phase]
+              "eval": ["eval-ours", "eval-anchor"] if not args.ours_drafter else ["eval-ours"],
+              "collect": []}[args.phase]
     if args.skip_anchor:
         wanted = [w for w in wanted if "anchor" not in w]
     for name in wanted:
         try:
             steps[name]()
             (work / "results" / f"{name}-error.json").unlink(missing_ok=True)
-        except SystemExit as e:  # a failed command: record it, go on unless our own drafter is missing
+        except (SystemExit, Exception) as e:  # record it; go on unless our own drafter is missing
             log(f"{name}: FAILED: {str(e)[:2000]}")
             write_result(work, f"{name}-error", {"error": str(e)[-6000:]})
             if name == "ours":

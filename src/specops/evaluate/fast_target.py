@@ -242,7 +242,7 @@ class StaticTargetRunner:
                 qg = q.reshape(1, nkv, self.n_rep * T, D)
                 o = F.scaled_dot_product_attention(qg, kc[None, :, :kv_len], vc[None, :, :kv_len],
                                                    attn_mask=masks[ly.window], scale=ly.scaling)
-                o = o.view(1, nh, T, D)
+                o = o.reshape(1, nh, T, D)
             else:
                 kr, vr = self._repeat_kv(kc[:, :kv_len]), self._repeat_kv(vc[:, :kv_len])
                 if causal and ly.window is None:

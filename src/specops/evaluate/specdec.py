@@ -72,6 +72,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -126,6 +127,10 @@ class TargetRunner:
     def __init__(self, target: Any, aux_layer_ids: Sequence[int]):
         self.target = target  # extract.TargetModel
         self.model = target.model
+        # transformers renamed forward's `past_key_values` to `cache` (5.2x); an unknown keyword is
+        # swallowed by **kwargs, which would run every step without a cache: ask the signature.
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.device = torch.device(target.device)
         self.aux_layer_ids = [int(i) for i in aux_layer_ids]
         L = target.num_hidden_layers
@@ -173,7 +178,7 @@ class TargetRunner:
                 handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         try:
             pos = torch.arange(start, start + T, device=self.device)[None]
-            out = self.model(input_ids=ids.to(self.device), position_ids=pos, cache=cache, use_cache=True,
+            out = self.model(input_ids=ids.to(self.device), position_ids=pos, **{self.cache_kw: cache}, use_cache=True,
                              logits_to_keep=1 if last_only else 0)
         finally:
             for h in handles:
