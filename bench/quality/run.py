@@ -342,6 +342,9 @@ def main() -> None:
     ap.add_argument("--carry", type=Path, default=REPO / ".carry_q")
     ap.add_argument("--skip-anchor", action="store_true")
     ap.add_argument("--ours-drafter", type=Path, help="evaluate this export as ours (eval phase only)")
+    ap.add_argument("--records", type=Path,
+                    help="records.tar.xz of an earlier run (generate/<dataset>/records.jsonl): seeds the campaign, "
+                         "so generate resumes with every sample done (same datasets and sampling)")
     args = ap.parse_args()
     s = SCALES[args.scale]
     work = args.work.resolve()
@@ -349,6 +352,11 @@ def main() -> None:
     data = unpack(work, args.carry)
     trim_eval_sets(data, s["eval_limit"])
     base = base_config(work, data, args.model, s)
+    if args.records and not (work / "campaign" / "generate").exists():
+        (work / "campaign").mkdir(parents=True, exist_ok=True)
+        with tarfile.open(args.records) as tf:
+            tf.extractall(work / "campaign", filter="data")
+        log(f"seeded campaign/generate from {args.records}")
     cfg_path = work / "ours.toml"
     cfg_path.write_text(dump_toml(base))
     load_config(cfg_path)
