@@ -5,7 +5,12 @@ Writes a synthetic campaign (target dir with only config + final norm + lm_head 
 vocab, feature shards in the DESIGN format), runs `run_train` for --steps optimizer steps and reads
 tokens/s from drafter/metrics.jsonl (excluding the first logged window: warm-up).
 
-    python bench/train_gpu.py [--tiny] [--seqs 64] [--seq-len 2048] [--batch-tokens 16384] [--steps 12]
+    python bench/train_gpu.py [--tiny | --shape smollm2] [--seqs 64] [--seq-len 2048] [--batch-tokens 16384]
+                              [--steps 12] [--profile FILE]
+
+--shape smollm2: the SmolLM2-135M target (H 576, 30 layers, vocab 49152, 9/3 heads) whose real
+training ran host-bound on the H200 (GPU util < 20 %). --profile FILE: torch.profiler over the
+run (CPU + CUDA), the top ops by self CPU time and by device time written to FILE.
 """
 
 from __future__ import annotations
@@ -39,8 +44,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--shape", choices=["8b", "smollm2"], default="8b")
+    ap.add_argument("--profile", type=Path)
     a = ap.parse_args()
-    H, L, V, DV, I = (64, 8, 512, 128, 128) if a.tiny else (4096, 32, 128256, 32000, 14336)
+    shapes = {"tiny": (64, 8, 512, 128, 128, 4, 2), "8b": (4096, 32, 128256, 32000, 14336, 32, 8),
+              "smollm2": (576, 30, 49152, 32000, 1536, 9, 3)}
+    shape = "tiny" if a.tiny else a.shape
+    H, L, V, DV, I, NH, NKV = shapes[shape]
     work = Path(tempfile.mkdtemp(prefix="specops-train-bench-"))
     try:
         g = torch.Generator().manual_seed(0)
@@ -48,8 +58,8 @@ def main() -> None:
         tdir.mkdir()
         (tdir / "config.json").write_text(json.dumps({
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
-            "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": 32 if not a.tiny else 4,
-            "num_key_value_heads": 8 if not a.tiny else 2, "vocab_size": V, "rms_norm_eps": 1e-5,
+            "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": NH,
+            "num_key_value_heads": NKV, "vocab_size": V, "rms_norm_eps": 1e-5,
             "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False}))
         save_file({"model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
                    "lm_head.weight": (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16),
@@ -95,15 +105,30 @@ def main() -> None:
             "datasets": [{"name": "d", "path": str(work / "d.jsonl")}],
         })
         camp = Campaign.create_or_open(cfg)
+        prof = None
+        if a.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            prof = profile(activities=acts)
+            prof.__enter__()
         t0 = time.perf_counter()
         run_train(cfg, camp, max_steps=a.steps)
         wall = time.perf_counter() - t0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            ka = prof.key_averages()
+            dev_key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            a.profile.write_text(f"wall {wall:.2f} s for {a.steps} steps\n\n== by self CPU time\n"
+                                 + ka.table(sort_by="self_cpu_time_total", row_limit=40)
+                                 + "\n\n== by self device time\n" + ka.table(sort_by=dev_key, row_limit=40))
         rows = [json.loads(x) for x in (camp_dir / "drafter" / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if r.get("split") == "train" and r.get("tokens_per_s")]
         steady = rows[1:] or rows
         res = {
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "target": "tiny" if a.tiny else "8B-shaped (H4096, V128256), draft vocab 32000",
+            "target": {"tiny": "tiny", "8b": "8B-shaped (H4096, V128256), draft vocab 32000",
+                       "smollm2": "SmolLM2-shaped (H576, V49152), draft vocab 32000"}[shape],
             "ttt_steps": a.ttt, "seq_len": a.seq_len, "batch_tokens": a.batch_tokens, "steps": a.steps,
             "tokens_per_s": round(sum(r["tokens_per_s"] for r in steady) / len(steady), 1),
             "wall_s": round(wall, 1),
