@@ -184,14 +184,18 @@ def eval_config(base: dict[str, Any], work: Path, name: str, drafter: Path, *, o
 # ---------------------------------------------------------------- phases
 
 
-def phase_ours(work: Path, cfg_path: Path) -> None:
+def phase_ours(work: Path, cfg_path: Path, ours_drafter: Path | None = None) -> None:
+    """`specops run` to export; with ours_drafter (a drafter trained by an earlier run on the same
+    records, e.g. fetched back from a GPU lease) only to extract, which the anchor needs."""
     if (r := read_result(work, "ours")) and r.get("done"):
         log("ours: done already")
         return
-    dt = sh(specops("run", cfg_path, "--to", "export"), work / "results" / "ours.log")
+    dt = sh(specops("run", cfg_path, "--to", "extract" if ours_drafter else "export"), work / "results" / "ours.log")
     man = json.loads((work / "campaign" / "manifest.json").read_text())
-    metrics = [json.loads(l) for l in (work / "campaign" / "drafter" / "metrics.jsonl").read_text().splitlines() if l]
+    metrics_path = work / "campaign" / "drafter" / "metrics.jsonl"
+    metrics = [json.loads(x) for x in metrics_path.read_text().splitlines() if x] if metrics_path.is_file() else []
     write_result(work, "ours", {"done": True, "wall_s": dt, "phases": man["phases"],
+                                "drafter": str(ours_drafter) if ours_drafter else None,
                                 "train_metrics_tail": metrics[-6:], "val": [m for m in metrics if m.get("split") == "val"]})
 
 
@@ -229,13 +233,14 @@ def _summary(camp: Path) -> dict[str, Any]:
     return json.loads((camp / "eval" / "summary.json").read_text())
 
 
-def phase_timing(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path) -> None:
+def phase_timing(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path,
+                 ours_drafter: Path | None = None) -> None:
     """Wall-clock speedup at batch 1, alone on the GPU, with each target runner: "hf" (eager, dynamic
     cache) and "static" (static cache + CUDA graphs). The static run writes the main campaign's report."""
     if read_result(work, "timing"):
         log("timing: done already")
         return
-    drafter = work / "campaign" / "drafter" / "export" / "vllm"
+    drafter = ours_drafter or work / "campaign" / "drafter" / "export" / "vllm"
     out: dict[str, Any] = {}
     for runner in ("hf", "static"):
         cfg = eval_config(base, work, f"timing-{runner}", drafter, own_dir=runner == "hf", datasets=eval_entries(data)[:1],
@@ -341,13 +346,17 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="target.model: 'smollm2', a .gguf or an HF dir")
     ap.add_argument("--carry", type=Path, default=REPO / ".carry_q")
     ap.add_argument("--skip-anchor", action="store_true")
-    ap.add_argument("--ours-drafter", type=Path, help="evaluate this export as ours (eval phase only)")
+    ap.add_argument("--ours-drafter", type=Path,
+                    help="our drafter from an earlier run on the same records (an export dir): ours stops at "
+                         "extract (the anchor needs the features) and timing/eval use this drafter")
     ap.add_argument("--records", type=Path,
                     help="records.tar.xz of an earlier run (generate/<dataset>/records.jsonl): seeds the campaign, "
                          "so generate resumes with every sample done (same datasets and sampling)")
     args = ap.parse_args()
     s = SCALES[args.scale]
     work = args.work.resolve()
+    if args.ours_drafter:
+        args.ours_drafter = args.ours_drafter.resolve()
     (work / "results").mkdir(parents=True, exist_ok=True)
     data = unpack(work, args.carry)
     trim_eval_sets(data, s["eval_limit"])
@@ -367,14 +376,14 @@ def main() -> None:
         env_info(work)
     # Ours first and evaluated first: the anchor's failure must not cost our figures.
     steps = {
-        "ours": lambda: phase_ours(work, cfg_path),
-        "timing": lambda: phase_timing(work, base, s, data),
+        "ours": lambda: phase_ours(work, cfg_path, args.ours_drafter),
+        "timing": lambda: phase_timing(work, base, s, data, args.ours_drafter),
         "eval-ours": lambda: phase_eval(work, base, s, data, ["ours"], args.ours_drafter),
         "anchor": lambda: phase_anchor(work, s, args.model),
         "eval-anchor": lambda: phase_eval(work, base, s, data, ["anchor"]),
     }
     wanted = {"all": list(steps), "ours": ["ours"], "timing": ["timing"], "anchor": ["anchor"],
-              "eval": ["eval-ours", "eval-anchor"] if not args.ours_drafter else ["eval-ours"],
+              "eval": ["eval-ours", "eval-anchor"],
               "collect": []}[args.phase]
     if args.skip_anchor:
         wanted = [w for w in wanted if "anchor" not in w]
