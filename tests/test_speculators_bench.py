@@ -277,7 +277,8 @@ def test_sliding_window_layer_and_extra_tensors_are_refused(tmp_path, target_and
 SPEC_PATH = os.environ.get("SPECOPS_SPECULATORS_PATH")
 
 
-@pytest.mark.skipif(not (SPEC_PATH and (Path(SPEC_PATH) / "speculators").is_dir()),
+# scripts/test.sh installs them (scripts/setup.sh): under CI a missing install fails, it never skips.
+@pytest.mark.skipif(not (SPEC_PATH and (Path(SPEC_PATH) / "speculators").is_dir()) and not os.environ.get("CI"),
                     reason="speculators 0.9.0 wheels not installed: set SPECOPS_SPECULATORS_PATH to the "
                            "`pip install --target` dir (bench/quality/README-speculators.md)")
 def test_speculators_trainer_end_to_end_cpu(tmp_path):
