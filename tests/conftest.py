@@ -27,3 +27,15 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "spec_bench" / "question.jsonl").is_file():
         pytest.fail(f"shared data not found at {SHARED_DATA} (set SPECOPS_DATA_DIR)")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: one intra-op thread is ~10x faster than two busy-waiting ones on a shared 2-core
+    box. Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -27,12 +27,7 @@ AUX = [2, 4, 5]  # the drafter's ids for L = 8
 HIDDEN = 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny_config(arch: str, vocab: int = 96, layers: int = 8):

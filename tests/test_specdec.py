@@ -29,13 +29,7 @@ from specops.evaluate.specdec import (
 AUX = [2, 4, 5]  # [2, L//2, L-3] for L = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one intra-op thread beats two busy-waiting ones on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_target(path: Path, *, vocab: int, hidden: int = 64, sharp: float = 10.0, seed: int = 0) -> Path:

@@ -47,13 +47,7 @@ VOCAB, DRAFT_VOCAB = 128, 80
 
 # ---------------------------------------------------------------- fixtures: a tiny target and its features
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one intra-op thread is ~10x faster than two busy-waiting ones on a shared box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_target(path: Path, *, sharp: float = 30.0, tied: bool = False) -> Path:

@@ -30,13 +30,7 @@ TRAIN = {"ttt_steps": 3, "lr": 3e-3, "warmup_steps": 5, "log_every": 1, "max_gra
          "total_steps": 40, "batch_tokens": 128, "eval_every": 40, "checkpoint_every": 1000, "device": "cpu"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one intra-op thread beats two busy-waiting ones on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @torch.no_grad()
