@@ -362,19 +362,10 @@ def smollm2_ids(tok, q: str) -> list[int]:
 
 
 def test_smollm2_static_runner(capsys):
-    from transformers import AutoTokenizer
+    from tiny_targets import smollm2_random_drafter
 
-    from specops.drafter.train import load_target_head
-    from specops.models import resolve_model_dir
-
-    md = resolve_model_dir("smollm2")
+    md, tok, d = smollm2_random_drafter()
     target = load(md)
-    tok = AutoTokenizer.from_pretrained(str(md))
-    head = load_target_head(md)
-    torch.manual_seed(0)
-    d = Eagle3Drafter(DrafterConfig.from_target(head.config, 32000))
-    d.init_from_target(head.embed.float(), head.lm_head.float())
-    d.eval()
     aux = d.config.aux_layer_ids + [target.num_hidden_layers]
     compare_runners(TargetRunner(target, aux), StaticTargetRunner(target, aux), target.vocab_size, 30)
     hf, st = TargetRunner(target, d.config.aux_layer_ids), StaticTargetRunner(target, d.config.aux_layer_ids)

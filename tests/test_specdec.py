@@ -384,19 +384,10 @@ def test_sampling_matches_target_distribution(tmp_path):
 
 def test_smollm2_greedy_identical_random_drafter(capsys):
     """SmolLM2-135M (fp32, bundled), a random drafter from_target: identical output, tau ~ 1."""
-    from transformers import AutoTokenizer
+    from tiny_targets import smollm2_random_drafter
 
-    from specops.drafter.train import load_target_head
-    from specops.models import resolve_model_dir
-
-    md = resolve_model_dir("smollm2")
+    md, tok, d = smollm2_random_drafter()
     target = load(md)
-    tok = AutoTokenizer.from_pretrained(str(md))
-    head = load_target_head(md)
-    torch.manual_seed(0)
-    d = Eagle3Drafter(DrafterConfig.from_target(head.config, 32000))
-    d.init_from_target(head.embed.float(), head.lm_head.float())
-    d.eval()
     assert d.config.aux_layer_ids == [2, 15, 27]
     runner = TargetRunner(target, d.config.aux_layer_ids)
     rows = []

@@ -66,3 +66,22 @@ def make_deepseek_and_llava(root: Path, *, lm_head_scale: float = 1.0, seed: int
     lv.lm_head.load_state_dict(ds.lm_head.state_dict())
     lv.save_pretrained(root / "llava")
     return ds, lv
+
+
+def smollm2_random_drafter(k_seed: int = 0):
+    """(model dir, tokenizer, drafter): the bundled SmolLM2-135M and a random EAGLE-3 drafter built
+    from it (draft vocab 32000, embedding and lm_head rows from the target), fp32, eval mode."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from specops.drafter.model import DrafterConfig, Eagle3Drafter
+    from specops.drafter.train import load_target_head
+    from specops.models import resolve_model_dir
+
+    md = resolve_model_dir("smollm2")
+    tok = AutoTokenizer.from_pretrained(str(md))
+    head = load_target_head(md)
+    torch.manual_seed(k_seed)
+    d = Eagle3Drafter(DrafterConfig.from_target(head.config, 32000))
+    d.init_from_target(head.embed.float(), head.lm_head.float())
+    return md, tok, d.eval()
