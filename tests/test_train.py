@@ -507,6 +507,44 @@ def test_ddp_two_ranks_equals_one_rank_with_accumulation(tiny, tmp_path):
     assert sorted(p.name for p in (two.root / "drafter" / "checkpoints").iterdir()) == ["step-4", "step-8"]
 
 
+def test_prefetch_thread_changes_nothing_but_speed(tiny, tmp_path, monkeypatch):
+    """The read-ahead thread (default) and the inline loader train on the same batches in the same
+    order: identical loss curves and final weights, across epoch ends and with grad_accum 2; and
+    the prefetcher really served the batches (each loaded once, none inline)."""
+    import specops.drafter.train as train_mod
+
+    common = {**BASE, "epochs": 3, "batch_tokens": 96, "grad_accum": 2, "checkpoint_every": 1000, "eval_every": 1000}
+    on = seed_campaign(tiny, tmp_path, {**common, "prefetch": True}, name="on")
+    off = seed_campaign(tiny, tmp_path, {**common, "prefetch": False}, name="off")
+    served, submitted = [], []
+    real_get, real_want = train_mod._Prefetcher.get, train_mod._Prefetcher.want
+
+    def get(self, key, idxs):
+        served.append((key, key in self.pending))
+        return real_get(self, key, idxs)
+
+    def want(self, keys):
+        before = set(self.pending)
+        real_want(self, keys)
+        submitted.extend(k for k in self.pending if k not in before)
+
+    monkeypatch.setattr(train_mod._Prefetcher, "get", get)
+    monkeypatch.setattr(train_mod._Prefetcher, "want", want)
+    s_on = run_train(load_config(tmp_path / "on.toml"), on)
+    monkeypatch.undo()
+    s_off = run_train(load_config(tmp_path / "off.toml"), off)
+    a, b = metrics(on.root), metrics(off.root)
+    assert len(a) == len(b) == s_on["total_steps"] and s_on["total_steps"] >= 6
+    assert len({r["epoch"] for r in a}) == 3  # the read-ahead crossed two epoch ends
+    for ra, rb in zip(a, b):
+        assert (ra["tokens"], ra["loss"], ra["acc"]) == (rb["tokens"], rb["loss"], rb["acc"]), ra["step"]
+    assert len(served) == 2 * s_on["total_steps"] and all(hit for _, hit in served)
+    assert sorted(submitted) == sorted(k for k, _ in served)  # each batch read once, none wasted
+    wa = load_file(str(Path(s_on["checkpoint"]) / "model.safetensors"))
+    wb = load_file(str(Path(s_off["checkpoint"]) / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_torch_load_is_weights_only():
     src = (REPO / "src" / "specops" / "drafter" / "train.py").read_text()
     calls = re.findall(r"torch\.load\(([^)]*)\)", src)

@@ -181,6 +181,7 @@ class TrainSection:
     batch_tokens: int = 16384  # padded tokens per micro-batch (length-bucketed)
     max_seq_len: int | None = None  # truncate longer samples; default: as build wrote them
     grad_accum: int = 1
+    prefetch: bool = True  # offline: read and collate the next batches on a thread (order unchanged)
     max_grad_norm: float = 0.5
     weight_decay: float = 0.0
     log_every: int = 10
