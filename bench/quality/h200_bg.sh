@@ -27,13 +27,18 @@ rc=${PIPESTATUS[0]}
 echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 # With device time left: the earlier issues' GPU benchmarks again on this machine (issue 8, item 3).
 # Their inputs are synthetic except the local engine's, which runs the real converted SmolLM2.
-if [ "${QUALITY_BENCHES:-1}" = 1 ]; then
+# QUALITY_BENCHES: a space-separated subset of "local-engine extract train" (default all; "" none).
+benches=${QUALITY_BENCHES-local-engine extract train}
+if [ -n "$benches" ]; then
   rm -rf "$W/anchor/data" "$W/campaign/features"  # 64 GB of disk; these are done with
-  hf=$(dirname "$(ls /root/cache/models/*/config.json | head -1)")
   cd "$repo"
-  python3 bench/local_engine_gpu.py --tokenizer "$hf" --model "$hf" --batch 256 --hf-batch 64 \
-    --out "$W/results/bench-local-engine.json" > "$W/results/bench-local-engine.log" 2>&1
-  python3 bench/extract_gpu.py --out "$W/results/bench-extract.json" > "$W/results/bench-extract.log" 2>&1
-  python3 bench/train_gpu.py --seqs 48 --steps 10 --out "$W/results/bench-train.json" > "$W/results/bench-train.log" 2>&1
+  case " $benches " in *" local-engine "*)
+    hf=$(dirname "$(ls /root/cache/models/*/config.json | head -1)")
+    python3 bench/local_engine_gpu.py --tokenizer "$hf" --model "$hf" --batch 256 --hf-batch 64 \
+      --out "$W/results/bench-local-engine.json" > "$W/results/bench-local-engine.log" 2>&1 ;; esac
+  case " $benches " in *" extract "*)
+    python3 bench/extract_gpu.py --out "$W/results/bench-extract.json" > "$W/results/bench-extract.log" 2>&1 ;; esac
+  case " $benches " in *" train "*)
+    python3 bench/train_gpu.py --seqs 48 --steps 10 --out "$W/results/bench-train.json" > "$W/results/bench-train.log" 2>&1 ;; esac
 fi
 echo "finished rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"

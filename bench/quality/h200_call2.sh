@@ -14,6 +14,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 spec=$(ls .whl/*.whl | grep -v -e '/gguf-' -e '/orjson-' || true)
 [ -n "$spec" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/specsite $spec
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "gpus", torch.cuda.device_count())'
-setsid nohup bash bench/quality/h200_bg.sh > /root/q/bg.log 2>&1 < /dev/null &
+# The experiment runs from a snapshot of this tree: later calls refresh the carried tree under
+# the repository root, and a run that outlives its call must not import half of a newer edit.
+snap=/root/snap
+rm -rf "$snap" && mkdir -p "$snap"
+tar -C "$repo" --exclude=./.carry_a --exclude=./.carry_b --exclude=./.whl --exclude=./.git -cf - . | tar -C "$snap" -xf -
+setsid nohup bash "$snap/bench/quality/h200_bg.sh" > /root/q/bg.log 2>&1 < /dev/null &
 sleep 5
 exec bash bench/quality/h200_wait.sh "${1:-500}"

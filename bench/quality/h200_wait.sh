@@ -22,7 +22,8 @@ while :; do
 done
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 (cd "$W" && tar -cJf "$out/results.tar.xz" results $(ls -d eval-*/eval 2>/dev/null) \
-   campaign/manifest.json campaign/drafter/metrics.jsonl campaign/build/manifest.json campaign/eval 2>/dev/null)
+   campaign/manifest.json campaign/drafter/metrics.jsonl campaign/build/manifest.json campaign/eval \
+   $(ls anchor/run/*.json 2>/dev/null) 2>/dev/null)
 if [ -n "${QUALITY_FETCH_RECORDS:-}" ] && ls "$W"/campaign/generate/*/records.jsonl >/dev/null 2>&1; then
   (cd "$W/campaign" && tar -cf - generate/*/records.jsonl | xz -T8 -6 > "$out/records.tar.xz")
 fi

@@ -22,6 +22,7 @@ Inputs come from `.carry_q/` (bench/quality/prepare_carry.py): nothing is downlo
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import lzma
 import os
@@ -45,10 +46,14 @@ HERE = Path(__file__).resolve().parent
 # Per scale: how much of everything. h200 is the real experiment; smoke checks the plumbing on a CPU.
 SCALES: dict[str, dict[str, Any]] = {
     "h200": dict(
-        sharegpt=9000, bfcl=None, max_tokens=512, batch_size=256, concurrency=512, dtype="bfloat16",
-        max_model_len=2048, draft_vocab=32000, epochs=3, lr=5e-4, warmup=50, batch_tokens=16384,
-        log_every=20, eval_every=400, checkpoint_every=400, anchor_lr=1e-3, anchor_timeout_s=480, eval_limit=80, spec_bench_limit=480,
+        # 6,600 ShareGPT + 3,641 BFCL prompts -> >= 10K samples (session 2: 98 % of prompts came
+        # back done); 2 epochs for both trainers, so that the whole experiment, the anchor included,
+        # fits one 30-minute lease (session 2 needed 27 min for generate + 3 epochs of ours alone).
+        sharegpt=6600, bfcl=None, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
+        max_model_len=2048, draft_vocab=32000, epochs=2, lr=5e-4, warmup=50, batch_tokens=16384,
+        log_every=20, eval_every=400, checkpoint_every=400, anchor_lr=1e-3, anchor_timeout_s=420, eval_limit=80, spec_bench_limit=480,
         eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=80,
+        timing_runners=("static",),
     ),
     # tau of a drafter trained on the GPU, measured on this 2-core CPU (fp32): fewer prompts, 1 worker
     "cpu": dict(
@@ -220,13 +225,33 @@ def phase_anchor(work: Path, s: dict[str, Any], model: str) -> None:
         train += ["--spec-path", site]
     if s.get("anchor_cpu"):
         train.append("--cpu")
-    t_train = sh(train, logf, env=env, timeout=s.get("anchor_timeout_s"))
+    timed_out = False
+    try:
+        t_train = sh(train, logf, env=env, timeout=s.get("anchor_timeout_s"))
+    except SystemExit as e:
+        # Out of lease time: keep what its finished epochs saved (it checkpoints once per epoch) and
+        # say so in the result; with no checkpoint at all the anchor failed.
+        ckpts = out / "run" / "checkpoints"
+        if "timeout after" not in str(e) or not (ckpts.is_dir() and any(ckpts.iterdir())):
+            raise
+        timed_out, t_train = True, float(s["anchor_timeout_s"])
+        log(f"anchor: stopped at the {s['anchor_timeout_s']} s limit; evaluating its last epoch checkpoint")
+        measure = [sys.executable, HERE / "speculators_train.py", "--measure", out / "run", "--ours", camp]
+        with open(out / "run" / "summary.json", "w") as fh:
+            subprocess.run([str(c) for c in measure], stdout=fh, stderr=subprocess.DEVNULL, check=False,
+                           env={**os.environ, **env})
     t_conv2 = sh([sys.executable, HERE / "speculators_to_eval.py", out / "run" / "checkpoints", out / "eval_drafter",
                   "--campaign", camp, "--verify"], logf, env=env)
     sh(specops("export", "--check", out / "eval_drafter"), logf)
     summ = out / "run" / "summary.json"
+    summary = None
+    if summ.is_file():
+        txt = summ.read_text()  # --measure prints lines of text before its JSON
+        start = 0 if txt.startswith("{") else txt.find("\n{") + 1
+        summary = json.loads(txt[start:]) if start or txt.startswith("{") else None
     write_result(work, "anchor", {"done": True, "convert_s": t_conv, "train_wall_s": t_train, "to_eval_s": t_conv2,
-                                  "summary": json.loads(summ.read_text()) if summ.is_file() else None})
+                                  "timed_out": timed_out, "epochs_saved": sorted(p.name for p in (out / "run" / "checkpoints").iterdir()),
+                                  "summary": summary})
 
 
 def _summary(camp: Path) -> dict[str, Any]:
@@ -242,7 +267,8 @@ def phase_timing(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path
         return
     drafter = ours_drafter or work / "campaign" / "drafter" / "export" / "vllm"
     out: dict[str, Any] = {}
-    for runner in ("hf", "static"):
+    runners = list(s.get("timing_runners", ("hf", "static")))
+    for runner in runners:
         cfg = eval_config(base, work, f"timing-{runner}", drafter, own_dir=runner == "hf", datasets=eval_entries(data)[:1],
                           limit_per_dataset=s["timing_limit"], max_new_tokens=s["timing_new_tokens"], temperature=0.0,
                           target_runner=runner)
@@ -250,6 +276,8 @@ def phase_timing(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path
             dt = sh(specops("eval", cfg), work / "results" / f"timing-{runner}.log", ok=(0, 1))
         except SystemExit as e:
             out[runner] = {"error": str(e)[-3000:]}
+            if "hf" not in runners:  # the static runner failed: measure with the eager one instead
+                runners.append("hf")
             continue
         out[runner] = {"wall_s": dt, "summary": _summary(work / ("eval-timing-hf" if runner == "hf" else "campaign"))}
     write_result(work, "timing", out)
@@ -275,14 +303,23 @@ def phase_eval(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path, 
             jobs.append((name, cfg))
     # Spec-Bench runs all its prompts; the other sets their first eval_limit (limit is per set, so
     # the T=0 run caps the others by trimming its prompt files instead).
-    for name, cfg in jobs:
-        logf = work / "results" / f"eval-{name}.log"
-        try:
-            dt = sh(specops("eval", cfg), logf, ok=(0, 1))
-        except SystemExit:  # the static runner is new on GPUs: fall back to the eager HF runner once
-            cfg.write_text(cfg.read_text().replace('target_runner = "auto"', 'target_runner = "hf"'))
-            dt = sh(specops("eval", cfg), logf, ok=(0, 1))
-        write_result(work, f"eval-{name}", {"wall_s": dt, "summary": _summary(work / f"eval-{name}")})
+    def run_jobs(todo: list[tuple[str, Path]]) -> None:
+        for name, cfg in todo:
+            logf = work / "results" / f"eval-{name}.log"
+            try:
+                dt = sh(specops("eval", cfg), logf, ok=(0, 1))
+            except SystemExit:  # the static runner is new on GPUs: fall back to the eager HF runner once
+                cfg.write_text(cfg.read_text().replace('target_runner = "auto"', 'target_runner = "hf"'))
+                dt = sh(specops("eval", cfg), logf, ok=(0, 1))
+            write_result(work, f"eval-{name}", {"wall_s": dt, "summary": _summary(work / f"eval-{name}")})
+
+    # tau does not depend on timing, so the drafters are evaluated side by side (one thread each,
+    # its T=0 then its T=1 run); wall-clock speedups come from the timing phase, run alone.
+    groups = [[j for j in jobs if j[0].startswith(who + "-")] for who in which]
+    groups = [g for g in groups if g]
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(groups))) as ex:
+        for fut in [ex.submit(run_jobs, g) for g in groups]:
+            fut.result()
 
 
 def trim_eval_sets(data: Path, limit: int) -> None:
@@ -375,18 +412,19 @@ def main() -> None:
     if args.phase == "all":
         env_info(work)
     # Ours first and evaluated first: the anchor's failure must not cost our figures.
+    # Then timing (alone on the GPU), the anchor's training (alone, for a fair tokens/s), and both
+    # drafters' tau side by side.
+    which = ["ours"] if args.skip_anchor else ["ours", "anchor"]
     steps = {
         "ours": lambda: phase_ours(work, cfg_path, args.ours_drafter),
         "timing": lambda: phase_timing(work, base, s, data, args.ours_drafter),
-        "eval-ours": lambda: phase_eval(work, base, s, data, ["ours"], args.ours_drafter),
         "anchor": lambda: phase_anchor(work, s, args.model),
-        "eval-anchor": lambda: phase_eval(work, base, s, data, ["anchor"]),
+        "eval": lambda: phase_eval(work, base, s, data, which, args.ours_drafter),
     }
     wanted = {"all": list(steps), "ours": ["ours"], "timing": ["timing"], "anchor": ["anchor"],
-              "eval": ["eval-ours", "eval-anchor"],
-              "collect": []}[args.phase]
+              "eval": ["eval"], "collect": []}[args.phase]
     if args.skip_anchor:
-        wanted = [w for w in wanted if "anchor" not in w]
+        wanted = [w for w in wanted if w != "anchor"]
     for name in wanted:
         try:
             steps[name]()
