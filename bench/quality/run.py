@@ -55,6 +55,14 @@ SCALES: dict[str, dict[str, Any]] = {
         eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=80,
         timing_runners=("static",),
     ),
+    # what fits the rest of a lease that lost its machine: a small drafter, timing + tau only
+    "h200-mini": dict(
+        sharegpt=1500, bfcl=500, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
+        max_model_len=2048, draft_vocab=32000, epochs=1, lr=5e-4, warmup=20, batch_tokens=16384,
+        log_every=10, eval_every=1000, checkpoint_every=1000, anchor_lr=1e-3, anchor_timeout_s=240, eval_limit=20,
+        spec_bench_limit=40, eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=20,
+        timing_runners=("static",),
+    ),
     # tau of a drafter trained on the GPU, measured on this 2-core CPU (fp32): fewer prompts, 1 worker
     "cpu": dict(
         sharegpt=9000, bfcl=None, max_tokens=512, batch_size=8, concurrency=16, dtype="float32",

@@ -27,10 +27,12 @@ never rewritten; shards of a different plan (other layers, dtype, model, build, 
 refused. Rank 0 writes `index.json` last, atomically, once every rank has passed the final barrier.
 
 Pipelining (`_Pipeline`): the main thread only launches work. Batch features go device->host into
-pinned slots without a sync; a writer thread pwrites them once their copy is done; a finalizer
-thread fsyncs, hashes, writes the sidecar and renames a shard while the next shard computes. The
-bytes and the order sidecar-then-rename are as above; a run joins both threads before any index,
-barrier or error exit, and a failure in either is raised by `run_extract`.
+pinned slots without a sync, on a copy stream beside the compute stream; a writer thread pwrites
+them once their copy is done and, where CPUs allow, starts their writeback to disk at once
+(`_EAGER_WRITEBACK`); a finalizer thread fsyncs, hashes, writes the sidecar and renames a shard
+while the next shard computes. The bytes and the order sidecar-then-rename are as above; a run
+joins both threads before any index, barrier or error exit, and a failure in either is raised by
+`run_extract`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
+import ctypes
 import datetime
 import errno
 import hashlib
@@ -382,6 +386,48 @@ def _pwrite_all(fd: int, buf: Any, offset: int) -> None:
         offset += n
 
 
+# Eager writeback (see `_EAGER_WRITEBACK`): sync_file_range(2) through ctypes (Linux only).
+def _libc_sync_file_range() -> Any:
+    """libc's sync_file_range as a ctypes function (the call releases the GIL), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait
+
+# A shard's rows land in the page cache, and the kernel starts writing them to disk only past
+# vm.dirty_background_ratio (10 % of RAM) or after 30 s: on a large host the disk idles while a
+# shard is written and its fsync then has all of it to write. With eager writeback the writer asks
+# for the writeback of each range right after writing it, so the disk works from the first batch
+# and the fsync only waits for what is still in flight. A hint: durability still comes from that
+# fsync alone, and only SYNC_FILE_RANGE_WRITE is used (waiting through sync_file_range would advance
+# the file's writeback-error cursor, and the fsync could then miss an earlier I/O error).
+#
+# The writeback's kernel work (block allocation, I/O submission) then runs in the writer thread and
+# the kernel's I/O threads while the shard is written. With CPUs to spare that is free; on a 2-vCPU
+# VM it competed with the writer and the hash and cost ~12 % of the write path's throughput
+# (bench/extract_write_cpu.py: 1.33 -> 1.16 GB/s, where that VM's disk outran the writer anyway). So
+# it is on where at least 8 CPUs are usable; bench/extract_write_cpu.py --eager-writeback on|off and
+# the tests set it explicitly.
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask; the machine's count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+_EAGER_WRITEBACK = _usable_cpus() >= 8
+
+
 class ShardWriter:
     """Streams one shard: the header is known up front, rows land at their offsets (pwrite).
 
@@ -392,20 +438,39 @@ class ShardWriter:
     def __init__(self, path: Path, n_tokens: int, n_samples: int, hidden_size: int, dtype: str):
         head, self.layout, self.nbytes = shard_layout(n_tokens, n_samples, hidden_size, dtype)
         self.path = path
+        self.writeback = _EAGER_WRITEBACK and _sync_file_range is not None  # see `_EAGER_WRITEBACK`
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         _pwrite_all(self.fd, head, 0)
         os.ftruncate(self.fd, self.nbytes)
 
-    def write(self, name: str, row: int, t: torch.Tensor) -> None:
-        """Write rows [row, row + len(t)) of tensor `name` (t on CPU, the stored dtype)."""
+    def byte_range(self, name: str, row: int, n: int) -> tuple[int, int]:
+        """(file offset, length) of rows [row, row + n) of tensor `name`."""
         dt, shape, off = self.layout[name]
-        assert t.dtype == dt and tuple(t.shape[1:]) == shape[1:] and row + len(t) <= shape[0], (name, t.shape)
-        if t.numel() == 0:
-            return
         row_bytes = dt.itemsize
         for d in shape[1:]:
             row_bytes *= d
-        _pwrite_all(self.fd, t.contiguous().view(torch.uint8).numpy(), off + row * row_bytes)
+        return off + row * row_bytes, n * row_bytes
+
+    def write(self, name: str, row: int, t: torch.Tensor) -> None:
+        """Write rows [row, row + len(t)) of tensor `name` (t on CPU, the stored dtype)."""
+        dt, shape, _ = self.layout[name]
+        assert t.dtype == dt and tuple(t.shape[1:]) == shape[1:] and row + len(t) <= shape[0], (name, t.shape)
+        if t.numel() == 0:
+            return
+        start, nbytes = self.byte_range(name, row, len(t))
+        _pwrite_all(self.fd, t.contiguous().view(torch.uint8).numpy(), start)
+        if self.writeback:
+            self.writeback = self._start_writeback(start, nbytes)
+
+    def _start_writeback(self, start: int, nbytes: int) -> bool:
+        """Ask the kernel to start writing bytes [start, start + nbytes) to disk; False: stop asking."""
+        if _sync_file_range(self.fd, start, nbytes, _SYNC_FILE_RANGE_WRITE) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE):  # those: unsupported here
+            log.warning("%s: sync_file_range failed (%s); going on without eager writeback (the fsync "
+                        "before the rename still reports any I/O error)", self.path.name, os.strerror(err))
+        return False
 
     def close(self, *, sync: bool = True) -> None:
         if self.fd < 0:
@@ -617,13 +682,17 @@ class _Pipeline:
 
     Main thread: builds a batch, launches its forward, queues the device->host copy of its features
     and hands the rows to the writer thread; then goes on to the next batch at once. Writer thread
-    (one, FIFO): waits for the batch's copy (a CUDA event) and pwrites its rows. Finalizer thread
-    (one, FIFO): once a shard's writes are done, fsyncs + sha256s it, writes the sidecar, renames.
+    (one, FIFO; a file's buffered writes serialize on its inode lock in ext4 and XFS anyway): waits
+    for the batch's copy (a CUDA event), pwrites its rows (and starts their writeback, where
+    `_EAGER_WRITEBACK` is on). Finalizer
+    thread (one, FIFO): once a shard's writes are done, fsyncs + sha256s it, writes the sidecar,
+    renames.
 
-    CUDA: features are copied non_blocking into a few pinned host slots, reused (pinning is costly);
-    a slot is handed out again only when the writer is done with it, so at most `_STAGING_SLOTS`
-    batches are in flight. CPU: the features are already on the host; one batch is written while
-    the next computes. At most `_FINALIZE_DEPTH` shards wait for or run their finalize.
+    CUDA: features are copied non_blocking into a few pinned host slots, reused (pinning is costly),
+    on a copy stream of their own (overlapping the next forward); a slot is handed out again only
+    when the writer is done with it, so at most `_STAGING_SLOTS` batches are in flight. CPU: the
+    features are already on the host; one batch is written while the next computes. At most
+    `_FINALIZE_DEPTH` shards wait for or run their finalize.
 
     Errors: a failed write or finalize is re-raised on the main thread (at the next batch or shard,
     or at `join`). `abort` waits for every queued job, so no thread touches a shard after it returns.
@@ -641,6 +710,10 @@ class _Pipeline:
         self.finals: collections.deque[concurrent.futures.Future] = collections.deque()
         self.completed: list[dict[str, Any]] = []  # sidecars of shards finalized since `take_done`
         self.current: _ShardJob | None = None  # the shard being written (no finalize owns it yet)
+        # CUDA: the device->host copies go on a stream of their own, so the copy engine moves batch
+        # i's features while the compute stream already runs batch i+1's forward (on the compute
+        # stream, each copy held up the next forward for its whole duration).
+        self.copy_stream = torch.cuda.Stream(device) if self.pinned else None
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-writer")
         self._finalizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-finalize")
 
@@ -671,25 +744,35 @@ class _Pipeline:
 
     def _stage(self, bufs: dict[str, torch.Tensor], feats: dict[str, torch.Tensor]):
         out = {}
-        for key, v in feats.items():
-            need = v.numel() * v.element_size()
-            buf = bufs.get(key)
-            if buf is None or buf.numel() < need:
-                per_token = need // (v.shape[0] * v.shape[1])
-                bufs.pop(key, None)
-                del buf  # drop the old block before taking a bigger one
-                buf = bufs[key] = torch.empty(
-                    max(need, per_token * self.min_tokens), dtype=torch.uint8, pin_memory=self.pinned
-                )
-            dst = buf[:need].view(v.dtype).view(v.shape)
-            dst.copy_(v, non_blocking=self.pinned)
-            out[key] = dst
+        copy_ctx: Any = contextlib.nullcontext()
+        if self.copy_stream is not None:
+            # The copies start only once the compute stream has produced `feats` (everything queued
+            # on it so far: the forward, the casts), then run beside the next forward.
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            copy_ctx = torch.cuda.stream(self.copy_stream)
+        with copy_ctx:
+            for key, v in feats.items():
+                need = v.numel() * v.element_size()
+                buf = bufs.get(key)
+                if buf is None or buf.numel() < need:
+                    per_token = need // (v.shape[0] * v.shape[1])
+                    bufs.pop(key, None)
+                    del buf  # drop the old block before taking a bigger one
+                    buf = bufs[key] = torch.empty(
+                        max(need, per_token * self.min_tokens), dtype=torch.uint8, pin_memory=self.pinned
+                    )
+                dst = buf[:need].view(v.dtype).view(v.shape)
+                dst.copy_(v, non_blocking=self.pinned)
+                if self.copy_stream is not None:
+                    # `v` belongs to the compute stream's pool: without this, its memory could go to
+                    # the next forward (freed when the caller drops `feats`) before the copy read it.
+                    v.record_stream(self.copy_stream)
+                out[key] = dst
         event = None
-        if self.pinned:
-            # The writer waits on this (blocking: it sleeps rather than spins); the copies were
-            # queued on the device's current stream, after the forward that produced `feats`.
+        if self.copy_stream is not None:
+            # The writer waits on this (blocking: it sleeps rather than spins) before it reads the slot.
             event = torch.cuda.Event(blocking=True)
-            event.record(torch.cuda.current_stream(self.device))
+            event.record(self.copy_stream)
         return out, event
 
     def _reclaim(self) -> None:
@@ -806,7 +889,10 @@ def _finalize_shard(sp: _Split, job: _ShardJob) -> dict[str, Any]:
         seconds = time.perf_counter() - job.t0
         t1 = time.perf_counter()
         # The read-back hashes the bytes while they are still in the page cache; the fsync runs
-        # alongside it. Both finish before the sidecar exists.
+        # alongside it. Both finish before the sidecar exists. The sha256 is of the whole file in
+        # file order, and rows arrive longest sample first while aux and final are separate
+        # regions: hashing in order as rows are written would have to hold most of the shard in
+        # memory, so it is done here, once the shard is complete (off the main thread).
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-fsync") as ex:
             synced = ex.submit(os.fsync, w.fd)
             digest = sha256_file(tmp)
