@@ -6,17 +6,21 @@ vocab, feature shards in the DESIGN format), runs `run_train` for --steps optimi
 tokens/s from drafter/metrics.jsonl (excluding the first logged window: warm-up).
 
     python bench/train_gpu.py [--tiny | --shape smollm2] [--seqs 64] [--seq-len 2048] [--batch-tokens 16384]
-                              [--steps 12] [--profile FILE]
+                              [--steps 12] [--vary-len MIN] [--profile FILE]
 
 --shape smollm2: the SmolLM2-135M target (H 576, 30 layers, vocab 49152, 9/3 heads) whose real
 training ran host-bound on the H200 (GPU util < 20 %). --profile FILE: torch.profiler over the
 run (CPU + CUDA), the top ops by self CPU time and by device time written to FILE.
+--vary-len MIN: sample lengths drawn uniformly from MIN..seq-len (seeded), so batches change shape
+from step to step as real data does; run it twice, with SPECOPS_SDPA_CUDNN=1 and without, to
+measure what torch's cuDNN attention choice costs (drafter/model.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -46,6 +50,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--shape", choices=["8b", "smollm2"], default="8b")
     ap.add_argument("--profile", type=Path)
+    ap.add_argument("--vary-len", type=int, metavar="MIN")
     a = ap.parse_args()
     shapes = {"tiny": (64, 8, 512, 128, 128, 4, 2), "8b": (4096, 32, 128256, 32000, 14336, 32, 8),
               "smollm2": (576, 30, 49152, 32000, 1536, 9, 3)}
@@ -80,10 +85,15 @@ def main() -> None:
             per = 8
             for k, s0 in enumerate(range(0, n, per)):
                 m = min(per, n - s0)
-                N = m * T
+                if a.vary_len:
+                    lens = torch.randint(min(a.vary_len, T), T + 1, (m,), generator=g)
+                else:
+                    lens = torch.full((m,), T)
+                offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+                N = int(offsets[-1])
                 t = {"input_ids": ids_vocab[torch.randint(0, DV, (N,), generator=g)].to(torch.int32),
                      "loss_mask": torch.ones(N, dtype=torch.uint8),
-                     "offsets": torch.arange(0, N + 1, T, dtype=torch.int64),
+                     "offsets": offsets,
                      "sample_index": torch.arange(s0, s0 + m),
                      "aux": torch.randn(N, 3, H, generator=g).to(torch.bfloat16),
                      "final": torch.randn(N, H, generator=g).to(torch.bfloat16)}
@@ -129,7 +139,8 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "target": {"tiny": "tiny", "8b": "8B-shaped (H4096, V128256), draft vocab 32000",
                        "smollm2": "SmolLM2-shaped (H576, V49152), draft vocab 32000"}[shape],
-            "ttt_steps": a.ttt, "seq_len": a.seq_len, "batch_tokens": a.batch_tokens, "steps": a.steps,
+            "ttt_steps": a.ttt, "seq_len": a.seq_len, "vary_len_min": a.vary_len, "batch_tokens": a.batch_tokens,
+            "steps": a.steps, "sdpa_cudnn_kept": os.environ.get("SPECOPS_SDPA_CUDNN", "0") == "1",
             "tokens_per_s": round(sum(r["tokens_per_s"] for r in steady) / len(steady), 1),
             "wall_s": round(wall, 1),
             "peak_gpu_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1) if torch.cuda.is_available() else None,

@@ -390,8 +390,8 @@ def test_smollm2_static_runner(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_match_eager_and_greedy_is_lossless(tmp_path):
     """fp32 tiny Llama on CUDA: the graphed runner equals the eager static runner and the HF runner
-    (logits, aux, tokens), captures T = 1 and T = k+1 graphs in two KV buckets (256, 512), and the
-    speculative loop at T = 0 emits the target's greedy decoding."""
+    (logits, aux, tokens), captures T = 1 and T = k+1 graphs in two KV buckets (256, 512) and again
+    after the cache grows, and the speculative loop at T = 0 emits the target's greedy decoding."""
     target = load(make_target(tmp_path / "t"), "cuda")
     hf = TargetRunner(target, AUX)
     eager = StaticTargetRunner(target, AUX, cuda_graphs=False)
@@ -412,6 +412,15 @@ def test_cuda_graphs_match_eager_and_greedy_is_lossless(tmp_path):
     assert graphed.use_graphs and graphed.graph_fallbacks == 0
     keys = set(graphed._graphs)
     assert {(1, 256, False), (1, 512, False), (k + 1, 256, True), (k + 1, 512, True)} <= keys, keys
+    # A longer prompt grows the cache (512 -> 1024): every graph is dropped with its pool and the
+    # next captures go to a fresh pool (reusing the old handle tripped the allocator's assert).
+    assert graphed.capacity == 512
+    p = rand_ids(96, 600, 7)
+    ref = greedy_reference(target.model, p, 40)
+    assert speculative_generate(graphed, d, p, k=k, max_new_tokens=40).tokens == ref
+    assert target_generate(graphed, p, max_new_tokens=40).tokens == ref
+    assert graphed.capacity == 1024 and graphed.graph_fallbacks == 0 and graphed.use_graphs
+    assert {(1, 1024, False), (k + 1, 1024, True)} <= set(graphed._graphs), set(graphed._graphs)
     assert runner_info(graphed) == {"target_runner": "static", "cuda_graphs": True}
     assert isinstance(make_target_runner(target, AUX, "auto"), StaticTargetRunner)  # auto on CUDA: static
     # bf16: every graph passes its first-replay check (no fallback to eager)

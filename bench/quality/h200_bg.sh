@@ -17,17 +17,23 @@ if [ ! -f "$W/results/disk.txt" ]; then
   { dd if=/dev/zero of="$W/ddtest" bs=16M count=256 conv=fsync 2>&1 | tail -1; nproc; df -h "$W" | tail -1; } > "$W/results/disk.txt"
   rm -f "$W/ddtest"
 fi
-# The GPU-only tests of the evaluator's static-cache runner (CUDA graphs vs eager vs HF), first.
+# The GPU-only tests of the evaluator's static-cache runner (CUDA graphs vs eager vs HF), alongside
+# generation (tiny models: a minute of a sliver of the GPU; the experiment's figures are later).
+tests_pid=
 if [ ! -f "$W/results/gpu-tests.log" ]; then
-  (cd "$repo" && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fast_target.py) > "$W/results/gpu-tests.log" 2>&1
+  (cd "$repo" && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fast_target.py) > "$W/results/gpu-tests.log" 2>&1 &
+  tests_pid=$!
 fi
 python3 "$repo/bench/quality/run.py" all --work "$W" --model /root/model/smollm2.gguf \
   --carry /root/carry/.carry_q ${QUALITY_ARGS:-} 2>&1 | tee -a "$W/results/run.log"
 rc=${PIPESTATUS[0]}
+[ -n "$tests_pid" ] && wait "$tests_pid"
 echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 # With device time left: the earlier issues' GPU benchmarks again on this machine (issue 8, item 3).
 # Their inputs are synthetic except the local engine's, which runs the real converted SmolLM2.
-# QUALITY_BENCHES: a space-separated subset of "local-engine extract train" (default all; "" none).
+# QUALITY_BENCHES: a space-separated subset of "local-engine extract train train-ab" (default the
+# first three; "" none). train-ab: SmolLM2-shaped training on varied lengths with torch's cuDNN
+# attention choice kept and with ours (drafter/model.py), one process each.
 benches=${QUALITY_BENCHES-local-engine extract train}
 if [ -n "$benches" ]; then
   rm -rf "$W/anchor/data" "$W/campaign/features"  # 64 GB of disk; these are done with
@@ -38,6 +44,11 @@ if [ -n "$benches" ]; then
       --out "$W/results/bench-local-engine.json" > "$W/results/bench-local-engine.log" 2>&1 ;; esac
   case " $benches " in *" extract "*)
     python3 bench/extract_gpu.py --out "$W/results/bench-extract.json" > "$W/results/bench-extract.log" 2>&1 ;; esac
+  case " $benches " in *" train-ab "*)
+    for keep in 0 1; do
+      SPECOPS_SDPA_CUDNN=$keep python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 256 \
+        --steps 16 --out "$W/results/bench-train-ab-cudnn$keep.json" > "$W/results/bench-train-ab-cudnn$keep.log" 2>&1
+    done ;; esac
   case " $benches " in *" train "*)
     python3 bench/train_gpu.py --seqs 48 --steps 10 --out "$W/results/bench-train.json" > "$W/results/bench-train.log" 2>&1 ;; esac
 fi

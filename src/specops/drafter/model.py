@@ -30,9 +30,20 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Masked attention on CUDA: the memory-efficient kernel (flash takes no mask; math is the last
+# resort). Left to itself, torch picks cuDNN's, which builds a plan for every new (batch, length)
+# shape -- ~20 ms of host time per call (H200 profile, bench/results/h200-2026-12-03/train-prof.txt),
+# and training batches change shape at almost every step. SPECOPS_SDPA_CUDNN=1 keeps torch's choice
+# (bench/train_gpu.py --vary-len measures both).
+_MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+_KEEP_CUDNN = os.environ.get("SPECOPS_SDPA_CUDNN", "0") == "1"
 
 # Parameter and buffer names of the drafter, exactly as DESIGN.md fixes them. A test asserts the
 # module's state_dict keys equal this tuple; export.py maps nothing (vLLM reads these names).
@@ -270,7 +281,11 @@ class Attention(nn.Module):
         if self.nh != self.nkv:  # expand KV heads; memory-efficient SDPA kernels do not take GQA + masks
             keys = keys.repeat_interleave(self.nh // self.nkv, dim=1)
             vals = vals.repeat_interleave(self.nh // self.nkv, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, is_causal=attn_mask is None)
+        if attn_mask is not None and q.is_cuda and not _KEEP_CUDNN:
+            with sdpa_kernel(_MASKED_BACKENDS):
+                out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, is_causal=attn_mask is None)
         out = out.transpose(1, 2).reshape(B, T, self.nh * self.d)
         return self.o_proj(out), kv
 

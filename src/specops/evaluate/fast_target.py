@@ -150,7 +150,15 @@ class StaticTargetRunner:
             self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
             self.arange = torch.arange(cap, device=self.device)
         self.k_cache, self.v_cache, self.capacity = k, v, cap
-        self._graphs.clear()  # captured against the old buffers
+        self._drop_graphs()  # captured against the old buffers
+
+    def _drop_graphs(self) -> None:
+        """Forget every graph, and with them their memory pool: the allocator keeps a pool only
+        while a graph captured into it lives, so a later capture into the old handle would trip
+        its `use_count > 0` assert (seen on the H200 when the cache grew). The next capture makes
+        a fresh pool."""
+        self._graphs.clear()
+        self._pool = None
 
     def new_cache(self, max_len: int | None = None) -> StaticKV:
         """An empty cache; `max_len` (prompt + new tokens + k + 1) sizes the buffers up front."""
@@ -314,7 +322,7 @@ class StaticTargetRunner:
             return out
         except Exception as e:  # noqa: BLE001 - any failure: graphs off, this call and the rest eager
             self.use_graphs = False
-            self._graphs.clear()
+            self._drop_graphs()
             self.graph_fallbacks += 1
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize(self.device)
