@@ -53,16 +53,22 @@ def sidecars(d: Path) -> dict[str, dict]:
     return {p.name[: -len(".done")]: json.loads(p.read_text()) for p in sorted(d.glob("*.done"))}
 
 
-@needs_sync_file_range
-def test_eager_writeback_covers_every_row_and_keeps_the_bytes(tmp_path, llama_dir, monkeypatch):
+def plain_then_eager(tmp_path, llama_dir, monkeypatch, split: str, **fake):
+    """Extract one campaign without eager writeback, then prepare a second with it on and
+    sync_file_range recorded (and, with `fake`, failing). -> (plain, (cfg, eager), calls)."""
     cfg_a, plain = make_campaign(tmp_path / "plain", llama_dir)
-    cfg_b, eager = make_campaign(tmp_path / "eager", llama_dir)
+    second = make_campaign(tmp_path / "eager", llama_dir)
     monkeypatch.setattr(extract, "_EAGER_WRITEBACK", False)
-    run_extract(cfg_a, plain, split="both")
-
+    run_extract(cfg_a, plain, split=split)
     calls: list = []
     monkeypatch.setattr(extract, "_EAGER_WRITEBACK", True)
-    monkeypatch.setattr(extract, "_sync_file_range", recording_sync_file_range(calls))
+    monkeypatch.setattr(extract, "_sync_file_range", recording_sync_file_range(calls, **fake))
+    return plain, second, calls
+
+
+@needs_sync_file_range
+def test_eager_writeback_covers_every_row_and_keeps_the_bytes(tmp_path, llama_dir, monkeypatch):
+    plain, (cfg_b, eager), calls = plain_then_eager(tmp_path, llama_dir, monkeypatch, "both")
     run_extract(cfg_b, eager, split="both")
 
     for split in ("train", "val"):
@@ -87,14 +93,7 @@ def test_eager_writeback_covers_every_row_and_keeps_the_bytes(tmp_path, llama_di
 @needs_sync_file_range
 @pytest.mark.parametrize("err, warns", [(errno.EIO, True), (errno.EINVAL, False)])
 def test_a_failing_writeback_hint_only_turns_itself_off(tmp_path, llama_dir, monkeypatch, caplog, err, warns):
-    cfg_a, plain = make_campaign(tmp_path / "plain", llama_dir)
-    cfg_b, failing = make_campaign(tmp_path / "failing", llama_dir)
-    monkeypatch.setattr(extract, "_EAGER_WRITEBACK", False)
-    run_extract(cfg_a, plain, split="train")
-
-    calls: list = []
-    monkeypatch.setattr(extract, "_EAGER_WRITEBACK", True)
-    monkeypatch.setattr(extract, "_sync_file_range", recording_sync_file_range(calls, result=-1, err=err))
+    plain, (cfg_b, failing), calls = plain_then_eager(tmp_path, llama_dir, monkeypatch, "train", result=-1, err=err)
     with caplog.at_level(logging.WARNING, logger="specops.extract"):
         run_extract(cfg_b, failing, split="train")
 
