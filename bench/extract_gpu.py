@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=512)
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--token-budget", type=int, default=32768)
-    ap.add_argument("--shard-tokens", type=int, default=1 << 17)
+    ap.add_argument("--shard-tokens", type=int, default=1 << 16, help="default: extract.shard_tokens's")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
