@@ -52,7 +52,7 @@ SCALES: dict[str, dict[str, Any]] = {
         # 27 min for generate at batch 256 + 3 epochs of ours alone; session 3 lost its machine).
         sharegpt=6600, bfcl=None, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
         max_model_len=2048, draft_vocab=32000, epochs=1, lr=5e-4, warmup=50, batch_tokens=16384,
-        log_every=20, eval_every=200, checkpoint_every=400, anchor_lr=1e-3, anchor_timeout_s=480, anchor_checkpoint_freq=0.5, eval_limit=80, spec_bench_limit=480,
+        log_every=20, eval_every=160, checkpoint_every=160, anchor_lr=1e-3, anchor_timeout_s=420, anchor_checkpoint_freq=0.5, eval_limit=80, spec_bench_limit=480,
         eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=80,
         timing_runners=("static",),
     ),
