@@ -36,7 +36,9 @@ echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 # attention choice kept and with ours (drafter/model.py), one process each.
 benches=${QUALITY_BENCHES-local-engine extract train}
 if [ -n "$benches" ]; then
-  rm -rf "$W/anchor/data" "$W/campaign/features"  # 64 GB of disk; these are done with
+  # 64 GB of disk; done with once the anchor has its result (a failed anchor keeps them, so that a
+  # later call can rerun it without extracting again)
+  [ -f "$W/results/anchor.json" ] && rm -rf "$W/anchor/data" "$W/campaign/features"
   cd "$repo"
   case " $benches " in *" local-engine "*)
     hf=$(dirname "$(ls /root/cache/models/*/config.json | head -1)")

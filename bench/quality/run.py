@@ -60,7 +60,7 @@ SCALES: dict[str, dict[str, Any]] = {
     "h200-mini": dict(
         sharegpt=1500, bfcl=500, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
         max_model_len=2048, draft_vocab=32000, epochs=1, lr=5e-4, warmup=20, batch_tokens=16384,
-        log_every=10, eval_every=1000, checkpoint_every=1000, anchor_lr=1e-3, anchor_timeout_s=240, eval_limit=20,
+        log_every=10, eval_every=1000, checkpoint_every=1000, anchor_lr=1e-3, anchor_timeout_s=480, eval_limit=20,
         spec_bench_limit=40, eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=20,
         timing_runners=("static",),
     ),
