@@ -27,10 +27,9 @@ vLLM feeds the pre-norm `h` (its `hidden_prenorm`) to the next draft step, and s
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
-
-import os
 
 import torch
 import torch.nn.functional as F
