@@ -83,10 +83,10 @@ def make_campaign(root: Path, dtype: str = "bfloat16", seed: int = 0, tv: int = 
 def _convert(camp: Path, out: Path, monkeypatch, **kw) -> dict:
     written = {}
 
-    def fake_dataset(self, ids, mask, seq_len):  # `datasets` may be absent here: record the columns
+    def fake_dataset(out, ids, mask, seq_len):  # `datasets` may be absent here: record the columns
         written.update(ids=ids, mask=mask, seq_len=seq_len)
 
-    monkeypatch.setattr(conv.Converter, "_write_dataset", fake_dataset)
+    monkeypatch.setattr(conv, "write_dataset", fake_dataset)
     m = conv.Converter(camp, out, workers=3, max_seq_len=kw.get("max_seq_len"), overwrite=False,
                        consume=kw.get("consume", False)).run()
     m["_columns"] = written
@@ -277,25 +277,62 @@ def test_sliding_window_layer_and_extra_tensors_are_refused(tmp_path, target_and
 SPEC_PATH = os.environ.get("SPECOPS_SPECULATORS_PATH")
 
 
-# scripts/test.sh installs them (scripts/setup.sh): under CI a missing install fails, it never skips.
-@pytest.mark.skipif(not (SPEC_PATH and (Path(SPEC_PATH) / "speculators").is_dir()) and not os.environ.get("CI"),
-                    reason="speculators 0.9.0 wheels not installed: set SPECOPS_SPECULATORS_PATH to the "
-                           "`pip install --target` dir (bench/quality/README-speculators.md)")
-def test_speculators_trainer_end_to_end_cpu(tmp_path):
+def _tiny_target(root: Path) -> tuple[Path, int, dict[str, str]]:
+    """A random-weight Llama with SmolLM2's tokenizer (speculators loads the tokenizer too)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from specops.models import resolve_model_dir
 
-    env = {**os.environ, "PYTHONPATH": SPEC_PATH, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": SPEC_PATH or "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2")))
     tv = len(tok)
     cfg = LlamaConfig(vocab_size=tv, hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
                       rope_parameters={"rope_theta": 50000.0, "rope_type": "default"})
     torch.manual_seed(0)
-    target = tmp_path / "target"
+    target = root / "target"
     AutoModelForCausalLM.from_config(cfg).save_pretrained(target)
     tok.save_pretrained(target)
+    return target, tv, env
+
+
+# scripts/test.sh installs them (scripts/setup.sh): under CI a missing install fails, it never skips.
+needs_speculators = pytest.mark.skipif(
+    not (SPEC_PATH and (Path(SPEC_PATH) / "speculators").is_dir()) and not os.environ.get("CI"),
+    reason="speculators 0.9.0 wheels not installed: set SPECOPS_SPECULATORS_PATH to the "
+           "`pip install --target` dir (bench/quality/README-speculators.md)")
+
+
+@needs_speculators
+def test_speculators_warm_up_trains_on_synthetic_features(tmp_path, monkeypatch):
+    """The compile warm-up: synthetic data in the converter's layout, one short epoch of the anchor's
+    trainer, warm.json with the time to its first step."""
+    import speculators_warm as warm
+
+    target, tv, env = _tiny_target(tmp_path)
+    rows = {}
+    monkeypatch.setattr(warm, "write_dataset", lambda out, ids, mask, lens: rows.update(ids=ids, mask=mask, lens=lens))
+    man = warm.write_synthetic(target, tmp_path / "syn", 10, DV, min_len=6, max_len=20)
+    assert man["rows"] == 10 and man["n_train"] == 8 and int(10 * man["train_data_ratio"]) == 8
+    assert [len(x) for x in rows["ids"]] == rows["lens"] and all(m[0] == 0 and m[1:].all() for m in rows["mask"])
+    d2t, t2d = np.load(man["d2t_path"]), np.load(man["t2d_path"])
+    assert d2t.shape == (DV,) and t2d.shape == (tv,) and int(t2d.sum()) == DV
+    assert t2d[np.arange(DV) + d2t].all()
+    hs = load_file(str(tmp_path / "syn" / "hidden_states" / "hs_3.safetensors"))
+    T = hs["token_ids"].shape[0]
+    assert 6 <= T <= 20 and hs["hidden_states"].shape == (T, 4, H) and hs["hidden_states"].dtype == torch.bfloat16
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "quality" / "speculators_warm.py"), "--target", str(target),
+                        "--out", str(tmp_path / "w"), "--samples", "10", "--draft-vocab", str(DV), "--total-seq-len", "32",
+                        "--min-len", "6", "--max-len", "20", "--spec-path", SPEC_PATH, "--cpu", "--timeout", "500"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    out = json.loads((tmp_path / "w" / "warm.json").read_text())
+    assert r.returncode == 0 and out["rc"] == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert out["steps"] >= 1 and out["first_step_after_start_s"] > 0
+
+
+@needs_speculators
+def test_speculators_trainer_end_to_end_cpu(tmp_path):
+    target, tv, env = _tiny_target(tmp_path)
     make_campaign(tmp_path / "camp", tv=tv)
     py = sys.executable
     q = REPO / "bench" / "quality"

@@ -24,6 +24,17 @@ if [ ! -f "$W/results/gpu-tests.log" ]; then
   (cd "$repo" && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fast_target.py) > "$W/results/gpu-tests.log" 2>&1 &
   tests_pid=$!
 fi
+# Where speculators' trainer spends its start-up (session 4: no step in 3.5 min): py-spy dumps of
+# its main process every 40 s while one runs (the warm-up's and the real run's), at most 16.
+spy=/tmp/specsite/bin/py-spy
+if [ -x "$spy" ]; then
+  ( n=0
+    while [ $n -lt 16 ] && ! grep -q "experiment rc" "$W/results/bg.state" 2>/dev/null; do
+      sleep 40
+      pid=$(pgrep -o -f speculators_launch.py) || continue
+      echo "=== $(date -u +%T) pid $pid"; timeout 30 "$spy" dump --pid "$pid" 2>&1 | head -80; n=$((n + 1))
+    done ) >> "$W/results/anchor-pyspy.log" 2>&1 &
+fi
 python3 "$repo/bench/quality/run.py" all --work "$W" --model /root/model/smollm2.gguf \
   --carry /root/carry/.carry_q ${QUALITY_ARGS:-} 2>&1 | tee -a "$W/results/run.log"
 rc=${PIPESTATUS[0]}

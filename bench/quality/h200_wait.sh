@@ -27,11 +27,14 @@ out=${OUT:-/tmp/out}; mkdir -p "$out"
 if [ -n "${QUALITY_FETCH_RECORDS:-}" ] && ls "$W"/campaign/generate/*/records.jsonl >/dev/null 2>&1; then
   (cd "$W/campaign" && tar -cf - generate/*/records.jsonl | xz -T8 -6 > "$out/records.tar.xz")
 fi
-# QUALITY_FETCH_DRAFTER=ours | anchor (one per call: a SmolLM2 drafter is ~100 MB, $OUT holds 8 x 16 MiB)
-case "${QUALITY_FETCH_DRAFTER:-}" in
-  ours|1) [ -d "$W/campaign/drafter/export/vllm" ] && \
-    (cd "$W/campaign/drafter/export" && tar -cf - vllm | split -b 15M -d - "$out/drafter-ours.tar.part") ;;
-  anchor) [ -d "$W/anchor/eval_drafter" ] && \
-    (cd "$W/anchor" && tar -cf - eval_drafter | split -b 15M -d - "$out/drafter-anchor.tar.part") ;;
-esac
+# QUALITY_FETCH_DRAFTER="ours anchor" (either or both: a SmolLM2 drafter export is 47 MB, 3 parts
+# under the 16 MiB per-file limit; $OUT holds 8 files)
+for who in ${QUALITY_FETCH_DRAFTER:-}; do
+  case $who in
+    ours|1) [ -d "$W/campaign/drafter/export/vllm" ] && \
+      (cd "$W/campaign/drafter/export" && tar -cf - vllm | split -b 16000000 -d - "$out/drafter-ours.tar.part") ;;
+    anchor) [ -d "$W/anchor/eval_drafter" ] && \
+      (cd "$W/anchor" && tar -cf - eval_drafter | split -b 16000000 -d - "$out/drafter-anchor.tar.part") ;;
+  esac
+done
 ls -la "$out"

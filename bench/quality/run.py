@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -50,17 +51,24 @@ SCALES: dict[str, dict[str, Any]] = {
         # back done); 1 epoch for both trainers (the same budget), so that the whole experiment, the
         # anchor and both drafters' evaluations included, fits one 30-minute lease (session 2 needed
         # 27 min for generate at batch 256 + 3 epochs of ours alone; session 3 lost its machine).
-        sharegpt=6600, bfcl=None, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
+        # 7,000 + 3,641 prompts: session 4 kept 96 % of its prompts as samples (failed requests and
+        # build exclusions), so this leaves >= 10K samples.
+        sharegpt=7000, bfcl=None, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
         max_model_len=2048, draft_vocab=32000, epochs=1, lr=5e-4, warmup=50, batch_tokens=16384,
-        log_every=20, eval_every=160, checkpoint_every=160, anchor_lr=1e-3, anchor_timeout_s=420, anchor_checkpoint_freq=0.5, eval_limit=80, spec_bench_limit=480,
-        eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=80,
+        log_every=20, eval_every=160, checkpoint_every=160, anchor_lr=1e-3, anchor_timeout_s=480, anchor_checkpoint_freq=0.5,
+        anchor_warm=True,
+        # 8 eval workers share the GPU by time-slicing: session 4 measured ~1.5 s per turn for the
+        # whole group (eager drafter steps), so the full sets (880 turns per drafter) do not fit a
+        # lease next to training; 16 per set + Spec-Bench 48 (every 10th: all 13 categories).
+        eval_limit=16, spec_bench_limit=48,
+        eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=16,
         timing_runners=("static",),
     ),
     # what fits the rest of a lease that lost its machine: a small drafter, timing + tau only
     "h200-mini": dict(
         sharegpt=1500, bfcl=500, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
         max_model_len=2048, draft_vocab=32000, epochs=1, lr=5e-4, warmup=20, batch_tokens=16384,
-        log_every=10, eval_every=1000, checkpoint_every=1000, anchor_lr=1e-3, anchor_timeout_s=480, eval_limit=20,
+        log_every=10, eval_every=1000, checkpoint_every=1000, anchor_lr=1e-3, anchor_timeout_s=480, anchor_warm=True, eval_limit=20,
         spec_bench_limit=40, eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=20,
         timing_runners=("static",),
     ),
@@ -76,6 +84,7 @@ SCALES: dict[str, dict[str, Any]] = {
         sharegpt=6, bfcl=4, max_tokens=24, batch_size=8, concurrency=16, dtype="float32",
         max_model_len=1024, draft_vocab=2048, epochs=1, lr=5e-4, warmup=2, batch_tokens=2048,
         log_every=2, eval_every=4, checkpoint_every=4, anchor_lr=1e-3, anchor_cpu=True, anchor_timeout_s=300, eval_limit=1, spec_bench_limit=2,
+        anchor_warm=True, anchor_warm_samples=10, anchor_warm_max_len=256,
         eval_new_tokens=12, timing_limit=1, timing_new_tokens=12, workers=2, t1_limit=1,
     ),
 }
@@ -213,6 +222,56 @@ def phase_ours(work: Path, cfg_path: Path, ours_drafter: Path | None = None) -> 
                                 "train_metrics_tail": metrics[-6:], "val": [m for m in metrics if m.get("split") == "val"]})
 
 
+def _anchor_env() -> dict[str, str]:
+    site = os.environ.get("SPECULATORS_SITE", "")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), site) if p)}
+
+
+def start_anchor_warm(work: Path, s: dict[str, Any], model: str) -> threading.Thread | None:
+    """speculators' torch.compile on synthetic features of the real shapes (speculators_warm.py), in
+    a thread while `specops run` generates: the compile is CPU work, generation GPU work. It starts
+    once our run has converted the target (generate has begun) and phase_anchor waits for it."""
+    if read_result(work, "anchor-warm") or (read_result(work, "anchor") or {}).get("done"):
+        return None
+
+    def go() -> None:
+        from specops.models import resolve_model_dir
+
+        man = work / "campaign" / "manifest.json"
+        deadline = time.time() + 1800
+        while time.time() < deadline:
+            try:
+                if json.loads(man.read_text())["phases"]["generate"].get("state"):
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(5)
+        site = os.environ.get("SPECULATORS_SITE", "")
+        cmd = [sys.executable, HERE / "speculators_warm.py", "--target", resolve_model_dir(model), "--out",
+               work / "anchor-warm", "--total-seq-len", s["batch_tokens"], "--draft-vocab", s["draft_vocab"],
+               "--ttt", K, "--timeout", s.get("anchor_warm_timeout_s", 900)]
+        if site:
+            cmd += ["--spec-path", site]
+        if s.get("anchor_cpu"):
+            cmd.append("--cpu")
+        if s.get("anchor_warm_samples"):
+            cmd += ["--samples", s["anchor_warm_samples"], "--max-len", s["anchor_warm_max_len"]]
+        try:
+            sh(cmd, work / "results" / "anchor-warm.log", env=_anchor_env(), ok=(0, 1))
+            warm = json.loads((work / "anchor-warm" / "warm.json").read_text())
+        except (SystemExit, Exception) as e:
+            warm = {"error": str(e)[-3000:]}
+        write_result(work, "anchor-warm", warm)
+        log(f"anchor-warm: {json.dumps(warm)}")
+
+    t = threading.Thread(target=go, name="anchor-warm", daemon=True)
+    t.start()
+    return t
+
+
+_WARM: threading.Thread | None = None
+
+
 def phase_anchor(work: Path, s: dict[str, Any], model: str) -> None:
     """The speculators trainer, unmodified, on the same build, features and draft vocab and the same
     epochs (its own recipe otherwise: Muon + AdamW at its default lr). bench/quality/README-speculators.md."""
@@ -221,8 +280,11 @@ def phase_anchor(work: Path, s: dict[str, Any], model: str) -> None:
         return
     from specops.models import resolve_model_dir
 
+    if _WARM is not None and _WARM.is_alive():
+        log("anchor: waiting for the compile warm-up to finish")
+        _WARM.join()
     site = os.environ.get("SPECULATORS_SITE", "")
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), site) if p)}
+    env = _anchor_env()
     out, camp = work / "anchor", work / "campaign"
     logf = work / "results" / "anchor.log"
     t_conv = sh([sys.executable, HERE / "speculators_convert.py", camp, out / "data", "--workers",
@@ -333,9 +395,17 @@ def phase_eval(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path, 
             fut.result()
 
 
-def trim_eval_sets(data: Path, limit: int) -> None:
-    """MT-bench, HumanEval and GSM8K: their first `limit` prompts (Spec-Bench keeps all of its)."""
+def trim_eval_sets(data: Path, limit: int, spec_limit: int | None = None) -> None:
+    """MT-bench, HumanEval and GSM8K: their first `limit` prompts. Spec-Bench: all 480, or with
+    spec_limit < 480 that many spread evenly over the file (its 13 categories lie in blocks, so a
+    prefix would be MT-bench questions only). Idempotent: a trimmed file is left alone."""
     import gzip
+
+    p = data / "eval" / "spec_bench" / "question.jsonl"
+    lines = p.read_text().splitlines()
+    if spec_limit and len(lines) > spec_limit:
+        n = len(lines)
+        p.write_text("\n".join(lines[i * n // spec_limit] for i in range(spec_limit)) + "\n")
 
     for rel in ("mtbench/question.jsonl", "gsm8k/test.jsonl"):
         p = data / "eval" / rel
@@ -407,7 +477,7 @@ def main() -> None:
         args.ours_drafter = args.ours_drafter.resolve()
     (work / "results").mkdir(parents=True, exist_ok=True)
     data = unpack(work, args.carry)
-    trim_eval_sets(data, s["eval_limit"])
+    trim_eval_sets(data, s["eval_limit"], s.get("spec_bench_limit"))
     base = base_config(work, data, args.model, s)
     if args.records and not (work / "campaign" / "generate").exists():
         (work / "campaign").mkdir(parents=True, exist_ok=True)
@@ -428,14 +498,17 @@ def main() -> None:
     which = ["ours"] if args.skip_anchor else ["ours", "anchor"]
     steps = {
         "ours": lambda: phase_ours(work, cfg_path, args.ours_drafter),
-        "timing": lambda: phase_timing(work, base, s, data, args.ours_drafter),
         "anchor": lambda: phase_anchor(work, s, args.model),
         "eval": lambda: phase_eval(work, base, s, data, which, args.ours_drafter),
+        "timing": lambda: phase_timing(work, base, s, data, args.ours_drafter),
     }
     wanted = {"all": list(steps), "ours": ["ours"], "timing": ["timing"], "anchor": ["anchor"],
               "eval": ["eval"], "collect": []}[args.phase]
     if args.skip_anchor:
         wanted = [w for w in wanted if w != "anchor"]
+    global _WARM
+    if "anchor" in wanted and s.get("anchor_warm"):
+        _WARM = start_anchor_warm(work, s, args.model)
     for name in wanted:
         try:
             steps[name]()

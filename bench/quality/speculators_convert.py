@@ -108,6 +108,27 @@ def write_hs(path: Path, token_ids: np.ndarray, hs_bits: np.ndarray) -> int:
     return len(head) + 8 * T + hs_bits.nbytes
 
 
+def write_dataset(out: Path, input_ids: list[np.ndarray], loss_mask: list[np.ndarray], seq_len: list[int]) -> None:
+    """The rows speculators' ArrowDataset loads from --data-path (`datasets` save_to_disk layout)."""
+    try:
+        from datasets import Dataset, Features, Sequence, Value
+    except ImportError as e:
+        raise SystemExit(f"`datasets` is not importable ({e}): put the speculators wheels dir on PYTHONPATH") from e
+    feats = Features({"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")),
+                      "seq_len": Value("int64")})
+    ds = Dataset.from_dict({"input_ids": [x.tolist() for x in input_ids],
+                            "loss_mask": [x.tolist() for x in loss_mask], "seq_len": seq_len}, features=feats)
+    ds.set_format(type="torch")  # ArrowDataset compares tensors with torch.equal
+    tmp = out / ".dataset.tmp"
+    if tmp.exists():
+        import shutil
+        shutil.rmtree(tmp)
+    ds.save_to_disk(str(tmp))
+    for f in tmp.iterdir():  # load_from_disk(OUT_DIR): state.json, dataset_info.json, data-*.arrow
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+
+
 # ------------------------------------------------------------------ campaign side
 
 def usable(loss_mask: np.ndarray) -> bool:
@@ -277,7 +298,7 @@ class Converter:
                     last = time.time()
         t_hs = time.time() - t0
 
-        self._write_dataset(input_ids, loss_mask, seq_len)
+        write_dataset(self.out, input_ids, loss_mask, seq_len)
         vocab = self._write_vocab()
         tokens = int(sum(seq_len))
         manifest = {
@@ -302,25 +323,6 @@ class Converter:
         }
         (self.out / "convert_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         return manifest
-
-    def _write_dataset(self, input_ids: list[np.ndarray], loss_mask: list[np.ndarray], seq_len: list[int]) -> None:
-        try:
-            from datasets import Dataset, Features, Sequence, Value
-        except ImportError as e:
-            raise SystemExit(f"`datasets` is not importable ({e}): put the speculators wheels dir on PYTHONPATH") from e
-        feats = Features({"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")),
-                          "seq_len": Value("int64")})
-        ds = Dataset.from_dict({"input_ids": [x.tolist() for x in input_ids],
-                                "loss_mask": [x.tolist() for x in loss_mask], "seq_len": seq_len}, features=feats)
-        ds.set_format(type="torch")  # ArrowDataset compares tensors with torch.equal
-        tmp = self.out / ".dataset.tmp"
-        if tmp.exists():
-            import shutil
-            shutil.rmtree(tmp)
-        ds.save_to_disk(str(tmp))
-        for f in tmp.iterdir():  # load_from_disk(OUT_DIR): state.json, dataset_info.json, data-*.arrow
-            os.replace(f, self.out / f.name)
-        tmp.rmdir()
 
     def _write_vocab(self) -> dict[str, Any]:
         from safetensors.numpy import load_file

@@ -79,6 +79,9 @@ def speculators_rate(metrics_jsonl: Path, skip: int = 1) -> dict[str, Any]:
         "skipped_first": skip if len(steps) > skip else 0,
         "first_to_last_record_s": steps[-1]["t"] - steps[0]["t"],
     }
+    started = metrics_jsonl.parent.parent / "started.json"
+    if started.is_file():  # start-up, data loading and compilation before its first logged step
+        out["first_step_after_start_s"] = steps[0]["t"] - json.loads(started.read_text())["t"]
     last = steps[-1]["train"]
     out["last_train"] = {k: last[k] for k in sorted(last) if k.startswith(("loss_", "full_acc_", "cond_acc_"))}
     if val:
@@ -218,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "command.json").write_text(json.dumps({"cmd": cmd, "PYTHONPATH": env.get("PYTHONPATH")}, indent=1) + "\n")
     print("running:", " ".join(cmd[2:4]), "...", flush=True)
     t0 = time.time()
+    (run_dir / "started.json").write_text(json.dumps({"t": t0}) + "\n")
     with open(run_dir / "logs" / "console.log", "ab") as console:
         rc = subprocess.call(cmd, env=env, stdout=console, stderr=subprocess.STDOUT)
     wall = time.time() - t0
