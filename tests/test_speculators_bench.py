@@ -323,11 +323,14 @@ def test_speculators_warm_up_trains_on_synthetic_features(tmp_path, monkeypatch)
     assert 6 <= T <= 20 and hs["hidden_states"].shape == (T, 4, H) and hs["hidden_states"].dtype == torch.bfloat16
     r = subprocess.run([sys.executable, str(REPO / "bench" / "quality" / "speculators_warm.py"), "--target", str(target),
                         "--out", str(tmp_path / "w"), "--samples", "10", "--draft-vocab", str(DV), "--total-seq-len", "32",
-                        "--min-len", "6", "--max-len", "20", "--spec-path", SPEC_PATH, "--cpu", "--timeout", "500"],
+                        "--min-len", "6", "--max-len", "20", "--spec-path", SPEC_PATH, "--cpu", "--timeout", "500",
+                        "--", "--seed", "3"],
                        env=env, capture_output=True, text=True, timeout=600)
     out = json.loads((tmp_path / "w" / "warm.json").read_text())
     assert r.returncode == 0 and out["rc"] == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert out["steps"] >= 1 and out["first_step_after_start_s"] > 0
+    cmd = json.loads((tmp_path / "w" / "run" / "command.json").read_text())["cmd"]
+    assert cmd[-2:] == ["--seed", "3"]  # arguments after `--` reach `speculators train`, last (they win)
 
 
 @needs_speculators

@@ -51,9 +51,9 @@ SCALES: dict[str, dict[str, Any]] = {
         # back done); 1 epoch for both trainers (the same budget), so that the whole experiment, the
         # anchor and both drafters' evaluations included, fits one 30-minute lease (session 2 needed
         # 27 min for generate at batch 256 + 3 epochs of ours alone; session 3 lost its machine).
-        # 7,000 + 3,641 prompts: session 4 kept 96 % of its prompts as samples (failed requests and
-        # build exclusions), so this leaves >= 10K samples.
-        sharegpt=7000, bfcl=None, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
+        # 7,800 + 3,641 prompts: session 5's 7,000 + 3,641 gave 10,500 samples, of which the build
+        # removed 732 duplicate ShareGPT answers (9,768 kept); this leaves >= 10K after dedupe.
+        sharegpt=7800, bfcl=None, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
         max_model_len=2048, draft_vocab=32000, epochs=1, lr=5e-4, warmup=50, batch_tokens=16384,
         log_every=20, eval_every=160, checkpoint_every=160, anchor_lr=1e-3, anchor_timeout_s=480, anchor_checkpoint_freq=0.5,
         anchor_warm=True,
@@ -89,6 +89,12 @@ SCALES: dict[str, dict[str, Any]] = {
     ),
 }
 K = 7
+# speculators' own options for every GPU run of its trainer. Its default fused Triton loss cannot be
+# traced by torch 2.11's Dynamo inside its compiled forward: "AssertionError: ListVariable(length=21)
+# is already tracked for mutation ... loss_backward_kernel.configs" (H200, session 5, after ~5 min
+# of compilation; bench/results/h200-2026-12-03c/anchor-warm-console.log). Its eager loss (plain
+# torch ops, compiled with the rest of the forward) trains: README-speculators.md.
+ANCHOR_GPU_ARGS = ("--loss-implementation", "eager")
 
 
 def log(msg: str) -> None:
@@ -256,6 +262,8 @@ def start_anchor_warm(work: Path, s: dict[str, Any], model: str) -> threading.Th
             cmd.append("--cpu")
         if s.get("anchor_warm_samples"):
             cmd += ["--samples", s["anchor_warm_samples"], "--max-len", s["anchor_warm_max_len"]]
+        if not s.get("anchor_cpu"):
+            cmd += ["--", *ANCHOR_GPU_ARGS]
         try:
             sh(cmd, work / "results" / "anchor-warm.log", env=_anchor_env(), ok=(0, 1))
             warm = json.loads((work / "anchor-warm" / "warm.json").read_text())
@@ -296,8 +304,11 @@ def phase_anchor(work: Path, s: dict[str, Any], model: str) -> None:
         train += ["--spec-path", site]
     if s.get("anchor_cpu"):
         train.append("--cpu")
+    extra = list(ANCHOR_GPU_ARGS) if not s.get("anchor_cpu") else []
     if s.get("anchor_checkpoint_freq"):  # its own option: sub-epoch checkpoints, so a time cap keeps one
-        train += ["--", "--checkpoint-freq", s["anchor_checkpoint_freq"]]
+        extra += ["--checkpoint-freq", s["anchor_checkpoint_freq"]]
+    if extra:
+        train += ["--", *extra]
     timed_out = False
     try:
         t_train = sh(train, logf, env=env, timeout=s.get("anchor_timeout_s"))

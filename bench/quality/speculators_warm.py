@@ -1,7 +1,7 @@
 """Warm speculators' torch.compile cache on synthetic features, while our generation runs.
 
     python3 bench/quality/speculators_warm.py --target TARGET_DIR --out DIR [--samples 80]
-        [--draft-vocab 32000] [--total-seq-len 16384] [--spec-path DIR] [--timeout 600]
+        [--draft-vocab 32000] [--total-seq-len 16384] [--spec-path DIR] [--timeout 600] [-- EXTRA...]
 
 Why: speculators 0.9.0 compiles its EAGLE-3 forward (`@conditional_torch_compile` on CUDA, flex
 attention inside) on the first training step and again for the first validation pass. In
@@ -87,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--cpu", action="store_true", help="speculators_train.py --cpu (the CPU proof settings)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:  # passed on to speculators_train.py (and from there to `speculators train`)
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
     a = ap.parse_args(argv)
     if a.samples < 5:
         ap.error("--samples must be >= 5 (a train and a validation split)")
@@ -104,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd += ["--spec-path", str(a.spec_path)]
     if a.cpu:
         cmd.append("--cpu")
+    if extra:
+        cmd += ["--", *extra]
     t1 = time.time()
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
