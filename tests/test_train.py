@@ -293,6 +293,78 @@ def test_ttt_matches_step_by_step_reference(norm_before_residual):
     assert drafter.fc.weight.grad.abs().sum() > 0
 
 
+def _dense_ttt_attention(q, block, diag, mask0):
+    """The dense form: SDPA over [K_0 | K_1..K_k] under [mask0 | eye ... eye]."""
+    import torch.nn.functional as F
+
+    rep = q.shape[1] // block[0].shape[1]
+    T = q.shape[2]
+    keys = torch.cat([block[0]] + [k for k, _ in diag], 2).repeat_interleave(rep, 1)
+    vals = torch.cat([block[1]] + [v for _, v in diag], 2).repeat_interleave(rep, 1)
+    eye = torch.eye(T, dtype=torch.bool).expand(*mask0.shape[:2], T, T)
+    return F.scaled_dot_product_attention(q, keys, vals, attn_mask=torch.cat([mask0] + [eye] * len(diag), -1))
+
+
+@pytest.mark.parametrize("dtype,steps", [(torch.float32, 1), (torch.float32, 6), (torch.float64, 3), (torch.bfloat16, 6)])
+def test_ttt_attention_equals_dense_with_gradients(dtype, steps):
+    """model.ttt_attention (block-0 SDPA + a probe key for the diagonal) against the dense masked
+    SDPA: outputs and the gradients of q, every key and every value."""
+    from specops.drafter.model import ttt_attention
+
+    g = torch.Generator().manual_seed(steps)
+    B, nh, nkv, T, d = 2, 4, 2, 9, 16
+    doc = torch.tensor([[0, 0, 0, 0, 1, 1, 1, -1, -1], [0, 0, 0, 0, 0, 0, 0, 0, 0]])
+    mask0 = ttt_masks(doc, 1)[0]
+
+    def leaf(*shape):  # large logits too, so the probe's hi/lo split matters in bf16
+        return (3 * torch.randn(*shape, generator=g)).to(dtype).requires_grad_()
+
+    q = leaf(B, nh, T, d)
+    block = (leaf(B, nkv, T, d), leaf(B, nkv, T, d))
+    diag = [(leaf(B, nkv, T, d), leaf(B, nkv, T, d)) for _ in range(steps)]
+    leaves = [q, *block] + [t for kv in diag for t in kv]
+    gout = torch.randn(B, nh, T, d, generator=g).to(dtype)
+    results = []
+    for fn in (ttt_attention, _dense_ttt_attention):
+        out = fn(q, block, diag, mask0)
+        grads = torch.autograd.grad(out, leaves, gout)
+        results.append((out, grads))
+    (o1, g1), (o2, g2) = results
+    assert o1.dtype == dtype
+    if dtype != torch.bfloat16:
+        torch.testing.assert_close(o1, o2, rtol=1e-5, atol=1e-5)
+        for a, b in zip(g1, g2):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        return
+    # bf16: both forms round differently; each must be as close to the float64 truth as the other
+    # (within 1.5x + a small floor), for the output and every gradient
+    exact = [x.detach().double().requires_grad_() for x in leaves]
+    o64 = _dense_ttt_attention(exact[0], tuple(exact[1:3]), [tuple(exact[i:i + 2]) for i in range(3, len(exact), 2)],
+                               mask0)
+    g64 = torch.autograd.grad(o64, exact, gout.double())
+    for new_t, dense_t, true_t in zip((o1, *g1), (o2, *g2), (o64, *g64)):
+        err_new = (new_t.double() - true_t).abs().max().item()
+        err_dense = (dense_t.double() - true_t).abs().max().item()
+        assert err_new <= 1.5 * err_dense + 0.02 * true_t.abs().max().item(), (err_new, err_dense)
+
+
+def test_ttt_dense_fallback_matches_reference(monkeypatch):
+    """SPECOPS_TTT_DENSE=1 (the A/B baseline) still computes the same unroll."""
+    import specops.drafter.train as train_mod
+
+    torch.manual_seed(1)
+    drafter = Eagle3Drafter(DrafterConfig.debug())
+    head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
+    teacher = Teacher(head, drafter.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=torch.float32)
+    batch, _ = _packed_batch(seed=3)
+    targets = teacher_targets(teacher, batch)
+    fast = ttt_forward(drafter, batch, targets, steps=5, decay=0.8)
+    monkeypatch.setattr(train_mod, "_TTT_DENSE", True)
+    dense = ttt_forward(drafter, batch, targets, steps=5, decay=0.8)
+    torch.testing.assert_close(fast.loss, dense.loss, rtol=1e-5, atol=1e-5)
+    assert fast.correct.tolist() == dense.correct.tolist()
+
+
 def test_soft_cross_entropy_value_and_gradient():
     torch.manual_seed(0)
     logits = torch.randn(6, 10, dtype=torch.float64, requires_grad=True)

@@ -42,8 +42,9 @@ rc=${PIPESTATUS[0]}
 echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 # With device time left: the earlier issues' GPU benchmarks again on this machine (issue 8, item 3).
 # Their inputs are synthetic except the local engine's, which runs the real converted SmolLM2.
-# QUALITY_BENCHES: a space-separated subset of "local-engine extract train train-ab" (default the
-# first three; "" none). train-ab: SmolLM2-shaped training on varied lengths with torch's cuDNN
+# QUALITY_BENCHES: a space-separated subset of "local-engine extract train train-ab ttt-ab" (default
+# the first three; "" none). ttt-ab: SmolLM2-shaped training with the dense TTT attention and with
+# block 0 + probe (SPECOPS_TTT_DENSE=1/0). train-ab: SmolLM2-shaped training on varied lengths with torch's cuDNN
 # attention choice kept and with ours (drafter/model.py), one process each.
 benches=${QUALITY_BENCHES-local-engine extract train}
 if [ -n "$benches" ]; then
@@ -61,6 +62,11 @@ if [ -n "$benches" ]; then
     for keep in 0 1; do
       SPECOPS_SDPA_CUDNN=$keep python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 256 \
         --steps 16 --out "$W/results/bench-train-ab-cudnn$keep.json" > "$W/results/bench-train-ab-cudnn$keep.log" 2>&1
+    done ;; esac
+  case " $benches " in *" ttt-ab "*)  # TTT attention: dense masks vs block 0 + probe (drafter/model.py)
+    for dense in 1 0; do
+      SPECOPS_TTT_DENSE=$dense python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 256 \
+        --steps 16 --out "$W/results/bench-ttt-ab-dense$dense.json" > "$W/results/bench-ttt-ab-dense$dense.log" 2>&1
     done ;; esac
   case " $benches " in *" train "*)
     python3 bench/train_gpu.py --seqs 48 --steps 10 --out "$W/results/bench-train.json" > "$W/results/bench-train.log" 2>&1 ;; esac

@@ -27,6 +27,7 @@ vLLM feeds the pre-norm `h` (its `hidden_prenorm`) to the next draft step, and s
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -262,7 +263,10 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None,
         past_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        ttt: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """ttt=True (training's unroll): attn_mask is the step-0 block [B, 1, T, T] only and past_kv
+        holds steps 0..k-1 in order; see ttt_attention. Otherwise attn_mask covers cat(past, own)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)  # [B, nh, T, d]
         k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)  # [B, nkv, T, d]
@@ -271,6 +275,9 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         kv = (k, v)
+        if ttt and past_kv:
+            out = ttt_attention(q, past_kv[0], past_kv[1:] + [kv], attn_mask)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d)), kv
         keys = torch.cat([pk.to(k.dtype) for pk, _ in past_kv] + [k], dim=2) if past_kv else k
         vals = torch.cat([pv.to(v.dtype) for _, pv in past_kv] + [v], dim=2) if past_kv else v
         S = keys.shape[2]
@@ -287,6 +294,66 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, is_causal=attn_mask is None)
         out = out.transpose(1, 2).reshape(B, T, self.nh * self.d)
         return self.o_proj(out), kv
+
+
+PROBE_PAD = 8  # extra head channels for ttt_attention's probe key (hi, lo, zeros): keeps head dims % 8
+
+
+def ttt_attention(q: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor],
+                  diag: list[tuple[torch.Tensor, torch.Tensor]], mask0: torch.Tensor) -> torch.Tensor:
+    """Attention of TTT step k >= 1 without the empty blocks.
+
+    q [B, nh, T, d]; block = step 0's (k, v) [B, nkv, T, d]; diag = steps 1..k's (k, v), own step
+    last; mask0 bool [B or 1, 1, T, T], the step-0 block (same document, causal). Query t of step k
+    sees step 0's keys under mask0 plus one key per later step, each at its own slot t: the dense
+    form (a [T, (k+1)·T] mask of which k diagonal blocks hold one entry per row) does ~(k+1)x the
+    score work of this one, and its masks grow with k.
+
+    The k diagonal scores s_j = q_t·k_j,t (scaled) are exact per-slot dot products. Their softmax
+    mass enters one masked SDPA over the block through a probe key: q gains channels holding
+    m_t = logsumexp_j s_j (over scale, split hi + lo so that bf16 keeps it to ~16 bits), the probe
+    key has ones there and zeros elsewhere, the block's keys zeros there. The probe's weight in that
+    softmax is then exactly sum_j exp(s_j) / Z, its value (1 in one extra channel) reads it out as
+    alpha_t, and the block's part comes out already scaled by (1 - alpha_t). So
+        out = SDPA(...)[:d] + alpha_t · sum_j softmax(s)_j v_j,t
+    equals softmax over all visible keys, gradients included (plain differentiable ops).
+    """
+    B, nh, T, d = q.shape
+    k0, v0 = block
+    nkv = k0.shape[1]
+    rep = nh // nkv
+    scale = 1.0 / math.sqrt(d)
+    qg = q.view(B, nkv, rep, T, d).float()
+    s = torch.stack([(qg * kj[:, :, None].float()).sum(-1) for kj, _ in diag], -1) * scale  # [B,nkv,rep,T,k]
+    m = torch.logsumexp(s, -1)  # [B, nkv, rep, T]
+    w = torch.softmax(s, -1)
+    wv = sum(w[..., j, None] * vj[:, :, None].float() for j, (_, vj) in enumerate(diag))  # [B,nkv,rep,T,d]
+    mq = (m / scale).reshape(B, nh, T, 1)
+    hi = mq.to(q.dtype)
+    lo = (mq - hi.float()).to(q.dtype)
+    dt = q.dtype
+    q2 = torch.cat([q, hi, lo, q.new_zeros(B, nh, T, PROBE_PAD - 2)], -1)
+    probe_k = torch.zeros(B, nkv, 1, d + PROBE_PAD, dtype=dt, device=q.device)
+    probe_k[..., d:d + 2] = 1.0
+    probe_v = torch.zeros(B, nkv, 1, d + PROBE_PAD, dtype=dt, device=q.device)
+    probe_v[..., d] = 1.0
+    pad = k0.new_zeros(B, nkv, T, PROBE_PAD).to(dt)
+    keys = torch.cat([torch.cat([k0.to(dt), pad], -1), probe_k], 2)  # [B, nkv, T+1, d+P]
+    vals = torch.cat([torch.cat([v0.to(dt), pad], -1), probe_v], 2)
+    if rep > 1:
+        keys = keys.repeat_interleave(rep, dim=1)
+        vals = vals.repeat_interleave(rep, dim=1)
+    # [.., T, T+1] with the probe column always visible; allocated 16-wide aligned (mem-efficient kernel)
+    Tm = T + 1
+    mask = torch.ones(*mask0.shape[:-1], (Tm + 15) // 16 * 16, dtype=torch.bool, device=q.device)[..., :Tm]
+    mask[..., :T] = mask0
+    if q.is_cuda and not _KEEP_CUDNN:
+        with sdpa_kernel(_MASKED_BACKENDS):
+            out = F.scaled_dot_product_attention(q2, keys, vals, attn_mask=mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q2, keys, vals, attn_mask=mask, scale=scale)
+    alpha = out[..., d:d + 1].float()
+    return (out[..., :d].float() + alpha * wv.reshape(B, nh, T, d)).to(dt)
 
 
 class MLP(nn.Module):
@@ -310,12 +377,12 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, embeds, hidden, cos, sin, attn_mask, past_kv):
+    def forward(self, embeds, hidden, cos, sin, attn_mask, past_kv, ttt=False):
         e = self.input_layernorm(embeds)
         g = self.hidden_norm(hidden)
         residual = g if self.norm_before_residual else hidden
         x = torch.cat([e.to(g.dtype), g], dim=-1)  # [B, T, 2H]
-        a, kv = self.self_attn(x, cos, sin, attn_mask, past_kv)
+        a, kv = self.self_attn(x, cos, sin, attn_mask, past_kv, ttt)
         h = residual + a
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, kv
@@ -422,6 +489,7 @@ class Eagle3Drafter(nn.Module):
         attn_mask: torch.Tensor | None = None,
         past_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         return_logits: bool = True,
+        ttt: bool = False,
     ) -> DraftOut:
         """One drafter step.
 
@@ -429,10 +497,12 @@ class Eagle3Drafter(nn.Module):
         step's output); positions [B, T]. attn_mask bool [B or 1, 1, T, S] over keys
         cat(past_kv..., this call's keys) (True = attend); None means causal with every past key
         visible. Returns the pre-norm hidden, logits (unless return_logits=False) and this call's kv.
+        ttt=True: training's unroll, where past_kv = the kv of steps 0..k-1 of the same slots and
+        attn_mask = the step-0 block only (ttt_attention).
         """
         embeds = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions)
-        h, kv = self.midlayer(embeds, hidden, cos, sin, attn_mask, list(past_kv or ()))
+        h, kv = self.midlayer(embeds, hidden, cos, sin, attn_mask, list(past_kv or ()), ttt)
         return DraftOut(h, self.compute_logits(h) if return_logits else None, kv)
 
 

@@ -19,7 +19,10 @@ Attention at step k (keys laid out [K_0 | K_1 | ... | K_k], each [B, nkv, T, d];
 [B, 1, T, (k+1)·T]): the query of slot t sees the step-0 keys of slots s <= t of its own document
 (block 0: causal & same document) and, for j = 1..k, the step-j key of slot t itself (blocks
 1..k: the diagonal). Those are exactly the keys a chain started at t has in vLLM's KV cache at its
-k-th draft: the prefix computed from target states, then its own previous drafts.
+k-th draft: the prefix computed from target states, then its own previous drafts. The diagonal
+blocks hold one key per row, so the drafter computes them as per-slot dot products and runs SDPA
+over block 0 only (model.ttt_attention: about (k+1)x less score work at step k, one [T, T] mask
+for all steps). SPECOPS_TTT_DENSE=1 runs the dense form above instead (A/B benchmarks).
 
 Loss: sum_k loss_decay^k · mean over counted slots of the soft cross-entropy
 -sum_v p_teacher(v) log p_drafter(v). Per-step accuracy: argmax drafter == argmax teacher (draft
@@ -54,6 +57,7 @@ from .model import DrafterConfig, Eagle3Drafter, count_parameters, default_aux_l
 log = logging.getLogger("specops.train")
 
 FEATURES_FORMAT = "specops-features-v1"
+_TTT_DENSE = os.environ.get("SPECOPS_TTT_DENSE", "0") == "1"
 FeaturesFn = Callable[[list[torch.Tensor]], dict[str, Any]]
 
 
@@ -451,13 +455,15 @@ def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps
     B, T = batch.input_ids.shape
     slot = torch.arange(T, device=batch.doc.device)
     hidden = drafter.fuse(batch.aux)  # [B, T, H]
-    masks = ttt_masks(batch.doc, steps)
+    dense = _TTT_DENSE
+    masks = ttt_masks(batch.doc, steps) if dense else [ttt_masks(batch.doc, 1)[0]] * steps
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
     loss = hidden.new_zeros((), dtype=torch.float32)
     ce_sums, corrects, counts, all_logits = [], [], [], []
     for k in range(steps):
         tokens = shift_left(batch.input_ids, 1 + k)  # [B, T]: x_{t+1+k}
-        out = drafter(tokens, hidden, batch.pos + k, attn_mask=masks[k], past_kv=past, return_logits=False)
+        out = drafter(tokens, hidden, batch.pos + k, attn_mask=masks[k], past_kv=past, return_logits=False,
+                      ttt=not dense)
         past.append(out.kv)
         hidden = out.hidden  # [B, T, H], the next step's hidden input (gradient flows through)
         valid = (batch.doc >= 0) & (slot + 2 + k < batch.doc_end) & shift_left(batch.loss_mask, 2 + k, False)
