@@ -251,6 +251,7 @@ class EvalSection:
     seed: int = 0
     drafter: str | None = None  # an export dir or a training checkpoint; default: the campaign's latest
     target_runner: Literal["auto", "hf", "static"] = "auto"  # auto: static cache + CUDA graphs on CUDA (fast_target.py)
+    drafter_runner: Literal["auto", "eager", "static"] = "auto"  # auto: static cache + a CUDA graph per chain on CUDA (fast_drafter.py)
     # Processes evaluating conversations in parallel on the one device (each loads target + drafter);
     # > 1 is for small, overhead-bound targets: tau and acceptance are exact, speedup needs workers = 1.
     workers: int = 1

@@ -397,8 +397,10 @@ def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None)
 @torch.no_grad()
 def speculative_generate(runner: TargetRunner, drafter: Eagle3Drafter, prompt: Sequence[int] | torch.Tensor, *,
                          k: int, max_new_tokens: int, temperature: float = 0.0,
-                         eos_ids: Iterable[int] = (), gen: torch.Generator | None = None) -> SpecResult:
-    """Generate up to max_new_tokens after `prompt` (ids, chat template already applied)."""
+                         eos_ids: Iterable[int] = (), gen: torch.Generator | None = None,
+                         drafter_runner: Any = None) -> SpecResult:
+    """Generate up to max_new_tokens after `prompt` (ids, chat template already applied).
+    drafter_runner: a fast_drafter runner for `drafter` (default: the eager one)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     dev = runner.device
@@ -418,12 +420,16 @@ def speculative_generate(runner: TargetRunner, drafter: Eagle3Drafter, prompt: S
     res.prefill_s = t1 - t_start
     # Drafter prefill: slots 0..n-2 (token x_{t+1}, hidden fc(aux_t), position t); slot n-1 is the
     # first round's pending slot, whose token x_n the target just produced.
-    dcache = DrafterCache()
+    if drafter_runner is None:
+        from .fast_drafter import EagerDrafterRunner
+
+        drafter_runner = EagerDrafterRunner(drafter)
+    dr = drafter_runner
+    dr.reset(n + max_new_tokens + k + 1)
     ddev = drafter.d2t.device
     if n >= 2:
-        out = drafter(ids[:, 1:].to(ddev), drafter.fuse(aux[None, : n - 1].to(ddev)),
-                      torch.arange(n - 1, device=ddev)[None], return_logits=False)
-        dcache.append(out.kv)
+        with torch.no_grad():
+            dr.prefill(ids[:, 1:], drafter.fuse(aux[None, : n - 1].to(ddev)))
     _sync(dev)
     res.drafter_prefill_s = time.perf_counter() - t1
     generated = [int(last)]
@@ -432,9 +438,9 @@ def speculative_generate(runner: TargetRunner, drafter: Eagle3Drafter, prompt: S
     pend_aux = aux[None, n - 1:]  # [1, m, 3, H_t]: aux at positions P-m..P-1
     while len(generated) < max_new_tokens and not eos.intersection(generated[-(k + 1):]):
         m = pend_tok.shape[1]
-        assert len(dcache) == P - m and cache.get_seq_length() == P, (len(dcache), P, m)
+        assert len(dr) == P - m and cache.get_seq_length() == P, (len(dr), P, m)
         t0 = time.perf_counter()
-        drafts, q = draft(drafter, dcache, pend_tok, pend_aux, P - m, k, temperature=temperature, gen=gen)
+        drafts, q = dr.draft(pend_tok, pend_aux, P - m, k, temperature=temperature, gen=gen)
         _sync(dev)
         t1 = time.perf_counter()
         logits, vaux = verify(runner, cache, last, drafts, P)  # [k+1, V], [k+1, 3, H_t]
@@ -844,6 +850,9 @@ class _Evaluator:
         from .fast_target import make_target_runner
 
         self.runner = make_target_runner(target, self.drafter.config.aux_layer_ids, ec.target_runner)
+        from .fast_drafter import make_drafter_runner
+
+        self.drunner = make_drafter_runner(self.drafter, ec.drafter_runner)
         self.eos = _eos_ids(target.model, self.tokenizer)
         self.template_kwargs = dict((cfg.generate.extra_body or {}).get("chat_template_kwargs") or {})
 
@@ -852,7 +861,8 @@ class _Evaluator:
 
         return {"target": str(self.target.model_dir), "aux_layer_ids": self.drafter.config.aux_layer_ids,
                 "device": str(self.device), "dtype": str(self.target.dtype).removeprefix("torch."),
-                **runner_info(self.runner)}
+                **runner_info(self.runner), "drafter_runner": self.drunner.name,
+                "drafter_cuda_graphs": bool(self.drunner.use_graphs)}
 
     def _gen(self, index: int, turn: int, stream: str) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(prompt_seed(self.ec.seed, index, turn, stream))
@@ -863,7 +873,7 @@ class _Evaluator:
         warm = _prompt_ids(self.tokenizer, [{"role": "user", "content": "Hello"}], self.template_kwargs)
         gen = self._gen(-1, 0, "warmup")
         speculative_generate(self.runner, self.drafter, warm, k=ec.k, max_new_tokens=min(8, ec.max_new_tokens),
-                             temperature=ec.temperature, eos_ids=self.eos, gen=gen)
+                             temperature=ec.temperature, eos_ids=self.eos, gen=gen, drafter_runner=self.drunner)
         target_generate(self.runner, warm, max_new_tokens=min(8, ec.max_new_tokens), temperature=ec.temperature,
                         eos_ids=self.eos, gen=gen)
 
@@ -876,7 +886,8 @@ class _Evaluator:
         for history, turn in _turns(item["messages"]):
             ids = _prompt_ids(tok, history, self.template_kwargs)
             spec = speculative_generate(self.runner, self.drafter, ids, k=k, max_new_tokens=ec.max_new_tokens,
-                                        temperature=T, eos_ids=eos, gen=self._gen(item["index"], turn, "spec"))
+                                        temperature=T, eos_ids=eos, gen=self._gen(item["index"], turn, "spec"),
+                                        drafter_runner=self.drunner)
             base = target_generate(self.runner, ids, max_new_tokens=ec.max_new_tokens, temperature=T, eos_ids=eos,
                                    gen=self._gen(item["index"], turn, "baseline"))
             answer = tok.decode([t for t in spec.tokens if t not in eos], skip_special_tokens=True)
@@ -962,6 +973,8 @@ def _run(cfg: Config, evals: list[DatasetSection], sources: dict[str, Any], seen
         "workers": workers,
         "target_runner": info.get("target_runner"),
         "cuda_graphs": info.get("cuda_graphs"),
+        "drafter_runner": info.get("drafter_runner"),
+        "drafter_cuda_graphs": info.get("drafter_cuda_graphs"),
         "speedup_unavailable": na,
         "datasets": per_ds,
         "overall": overall,

@@ -1,0 +1,312 @@
+"""The drafter of the eval loop on a preallocated KV cache, its greedy chain replayed as one CUDA graph.
+
+Two drafter runners share one interface, used by `specdec.speculative_generate`:
+
+    reset(max_len)          an empty cache sized for max_len positions
+    prefill(ids, fused)     positions 0..n-1: ids [1, n] (x_1..x_n), fused hidden [1, n, H]
+    draft(tokens, aux, start, k, temperature, gen)
+                            the pending slots (tokens [1, m], aux [1, m, 3, H_t]) at start..start+m-1,
+                            then k drafts: -> (target ids int64 [k], q [k, Vd] float32 or None);
+                            afterwards the cache holds positions 0..start+m-1
+    len(runner)             positions held
+
+`EagerDrafterRunner` (eval.drafter_runner = "eager") is the reference: the drafter's own forward
+with a growing K/V (specdec.DrafterCache). `StaticDrafterRunner` ("static") keeps K/V in one
+buffer [kv_heads, capacity, head_dim], capacity a power of two (grown, prefix copied). Every call
+attends over keys 0..bucket-1 (bucket: the next power of two >= the last position + 1, from 256)
+with keys past each query's position masked, so the shapes depend on (m, bucket) only. Draft
+positions past start+m-1 are written into the buffer and left there: every later call writes a
+position before any query reads it.
+
+CUDA graphs (CUDA, temperature 0, SPECOPS_EVAL_CUDA_GRAPHS=0 turns them off): the whole chain -- the
+m pending slots, k argmax drafts and the k-1 one-token steps between them -- is captured once per
+(m, bucket, k) and replayed: one launch per target step instead of ~k x (layer kernels + host
+work), which was 1.5 ms per draft token eagerly on the H200 (c = 0.39 of a target step at
+SmolLM2 scale). A graph's first replay is checked against the same chain run eagerly on the
+static cache; a capture that raises or a replay that differs turns graphs off for the runner with
+a warning, and the chain runs eagerly. At temperature > 0 (sampling with a torch.Generator) the
+chain always runs eagerly on the static cache.
+
+"auto": static on CUDA, eager elsewhere. The math is the drafter's own (drafter/model.py: its
+norms, projections, RoPE, MLP, lm_head and d2t), so the static and eager runners agree to rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..drafter.model import _MASKED_BACKENDS, Eagle3Drafter, _rotate_half
+from ..errors import ConfigError, SpecopsError
+
+log = logging.getLogger("specops.eval")
+
+__all__ = ["DRAFTER_RUNNERS", "EagerDrafterRunner", "StaticDrafterRunner", "make_drafter_runner"]
+
+DRAFTER_RUNNERS = ("auto", "eager", "static")
+MIN_BUCKET = 256
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    b = floor
+    while b < n:
+        b *= 2
+    return b
+
+
+class EagerDrafterRunner:
+    """The drafter's own forward on a growing K/V (the reference; specdec.draft)."""
+
+    name = "eager"
+    use_graphs = False
+
+    def __init__(self, drafter: Eagle3Drafter):
+        from .specdec import DrafterCache
+
+        self.drafter = drafter
+        self._new = DrafterCache
+        self.cache = DrafterCache()
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def reset(self, max_len: int) -> None:
+        self.cache = self._new()
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, fused: torch.Tensor) -> None:
+        n = ids.shape[1]
+        dev = self.drafter.d2t.device
+        out = self.drafter(ids.to(dev), fused.to(dev), torch.arange(n, device=dev)[None], return_logits=False)
+        self.cache.append(out.kv)
+
+    def draft(self, tokens: torch.Tensor, aux: torch.Tensor, start: int, k: int, *, temperature: float,
+              gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from .specdec import draft
+
+        return draft(self.drafter, self.cache, tokens, aux, start, k, temperature=temperature, gen=gen)
+
+
+class StaticDrafterRunner:
+    """The drafter on a preallocated K/V, the greedy chain as one CUDA graph (module docstring)."""
+
+    name = "static"
+
+    def __init__(self, drafter: Eagle3Drafter, *, cuda_graphs: bool | None = None, min_capacity: int = 512):
+        self.drafter = d = drafter
+        cfg = d.config
+        self.device = d.d2t.device
+        self.dtype = next(d.parameters()).dtype
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.rep = self.nh // self.nkv
+        self.min_capacity = int(min_capacity)
+        self.capacity = 0
+        self.length = 0
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        if cuda_graphs is None:
+            cuda_graphs = os.environ.get("SPECOPS_EVAL_CUDA_GRAPHS", "1") != "0"
+        self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
+        self.graph_fallbacks = 0
+        self._graphs: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = {}
+        self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._pool = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    # ------------------------------------------------------------------ the cache
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        cap = _pow2_at_least(needed, max(self.min_capacity, self.capacity, 1))
+        with torch.inference_mode(False), torch.no_grad():
+            k = torch.zeros(self.nkv, cap, self.hd, device=self.device, dtype=self.dtype)
+            v = torch.zeros_like(k)
+            if self.length:
+                k[:, :self.length].copy_(self.k_cache[:, :self.length])
+                v[:, :self.length].copy_(self.v_cache[:, :self.length])
+            self.arange = torch.arange(cap, device=self.device)
+        self.k_cache, self.v_cache, self.capacity = k, v, cap
+        self._graphs.clear()  # captured against the old buffers; their pool goes with them
+        self._pool = None
+
+    def reset(self, max_len: int) -> None:
+        self.length = 0
+        self._ensure_capacity(max(int(max_len), 1))
+
+    def _bucket(self, needed: int) -> int:
+        return min(_pow2_at_least(needed, MIN_BUCKET), self.capacity)
+
+    # ------------------------------------------------------------------ the math
+    def _layer(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One drafter step for ids [1, T] / hidden [1, T, H] at positions pos [T]: K/V written at pos,
+        attention over keys 0..kv_len-1 (each query sees keys <= its position) -> pre-norm h [1, T, H].
+        Graph-capturable: shapes depend on (T, kv_len) only, no host syncs."""
+        d = self.drafter
+        ml, at = d.midlayer, d.midlayer.self_attn
+        T = ids.shape[1]
+        cos, sin = d.rope(pos[None])  # [1, T, hd] fp32
+        e = ml.input_layernorm(d.embed_tokens(ids))
+        g = ml.hidden_norm(hidden)
+        residual = g if ml.norm_before_residual else hidden
+        x = torch.cat([e.to(g.dtype), g], dim=-1)
+        q = at.q_proj(x).view(1, T, self.nh, self.hd).transpose(1, 2)
+        k = at.k_proj(x).view(1, T, self.nkv, self.hd).transpose(1, 2)
+        v = at.v_proj(x).view(1, T, self.nkv, self.hd).transpose(1, 2)
+        cos, sin = cos.to(q.dtype)[:, None], sin.to(q.dtype)[:, None]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        self.k_cache.index_copy_(1, pos, k[0])
+        self.v_cache.index_copy_(1, pos, v[0])
+        keys = self.k_cache[None, :, :kv_len]
+        vals = self.v_cache[None, :, :kv_len]
+        if self.rep > 1:
+            keys = keys.repeat_interleave(self.rep, dim=1)
+            vals = vals.repeat_interleave(self.rep, dim=1)
+        mask = (self.arange[:kv_len][None, :] <= pos[:, None])[None, None]  # [1, 1, T, kv_len]
+        if q.is_cuda:
+            with torch.nn.attention.sdpa_kernel(_MASKED_BACKENDS):
+                o = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask)
+        else:
+            o = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask)
+        h = residual + at.o_proj(o.transpose(1, 2).reshape(1, T, self.nh * self.hd))
+        return h + ml.mlp(ml.post_attention_layernorm(h))
+
+    def _chain(self, tok: torch.Tensor, aux: torch.Tensor, pos0: torch.Tensor, k: int, kv_len: int) -> torch.Tensor:
+        """The greedy chain: pending tok [1, m] / aux [1, m, 3, H_t] at pos0 + 0..m-1, then k argmax
+        drafts -> target ids [k]. pos0 is a 0-d device tensor (a graph input)."""
+        d = self.drafter
+        m = tok.shape[1]
+        pos = pos0 + self.arange[:m]
+        h = self._layer(tok, d.fuse(aux), pos, kv_len)[:, -1:]
+        last = pos[-1:]
+        drafts = []
+        for j in range(k):
+            t = d.draft_to_target(d.compute_logits(h[0, -1]).float().argmax(-1))
+            drafts.append(t)
+            if j == k - 1:
+                break
+            h = self._layer(t.view(1, 1), h, last + 1 + j, kv_len)
+        return torch.stack(drafts)
+
+    # ------------------------------------------------------------------ the verbs
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, fused: torch.Tensor) -> None:
+        n = ids.shape[1]
+        self._ensure_capacity(n)
+        self._layer(ids.to(self.device), fused.to(self.device), self.arange[:n], self._bucket(n))
+        self.length = n
+
+    @torch.no_grad()
+    def draft(self, tokens: torch.Tensor, aux: torch.Tensor, start: int, k: int, *, temperature: float,
+              gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if start != self.length:
+            raise SpecopsError(f"static drafter cache: a draft at start {start} != the cache's length {self.length}")
+        m = int(tokens.shape[1])
+        self._ensure_capacity(start + m + k)
+        kv_len = self._bucket(start + m + k)
+        tok = tokens.to(self.device)
+        aux = aux.to(self.device)
+        q = None
+        if temperature > 0:
+            drafts, q = self._sample_chain(tok, aux, start, k, kv_len, temperature, gen)
+        else:
+            drafts = self._graphed(tok, aux, start, k, kv_len) if self.use_graphs else None
+            if drafts is None:
+                drafts = self._chain(tok, aux, torch.tensor(start, device=self.device), k, kv_len)
+        self.length = start + m
+        return drafts, q
+
+    def _sample_chain(self, tok, aux, start, k, kv_len, temperature, gen):
+        """As _chain, sampling each draft from softmax(logits / T) (eager: the generator's state)."""
+        from .specdec import _sample
+
+        d = self.drafter
+        m = tok.shape[1]
+        pos = start + self.arange[:m]
+        h = self._layer(tok, d.fuse(aux), pos, kv_len)[:, -1:]
+        drafts, qs = [], []
+        for j in range(k):
+            qd = torch.softmax(d.compute_logits(h[0, -1]).float() / temperature, dim=-1)
+            t = d.draft_to_target(_sample(qd, gen))
+            drafts.append(t)
+            qs.append(qd)
+            if j == k - 1:
+                break
+            h = self._layer(t.view(1, 1), h, pos[-1:] + 1 + j, kv_len)
+        return torch.stack(drafts), torch.stack(qs)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _in_buffers(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if m not in self._inputs:
+            Ht = self.drafter.config.target_hidden_size
+            with torch.inference_mode(False):
+                self._inputs[m] = (torch.zeros(1, m, dtype=torch.long, device=self.device),
+                                   torch.zeros(1, m, 3, Ht, dtype=self.dtype, device=self.device),
+                                   torch.zeros((), dtype=torch.long, device=self.device))
+        return self._inputs[m]
+
+    def _capture(self, m: int, k: int, kv_len: int) -> tuple[Any, torch.Tensor]:
+        tok, aux, pos0 = self._in_buffers(m)
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for _ in range(2):  # writes the K/V the current inputs produce anyway
+                self._chain(tok, aux, pos0, k, kv_len)
+        cur.wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._chain(tok, aux, pos0, k, kv_len)
+        log.info("eval: captured a CUDA graph of the drafter chain (%d pending, k=%d, kv length %d)", m, k, kv_len)
+        return graph, out
+
+    def _graphed(self, tok: torch.Tensor, aux: torch.Tensor, start: int, k: int, kv_len: int) -> torch.Tensor | None:
+        m = tok.shape[1]
+        key = (m, k, kv_len)
+        try:
+            t_in, a_in, p_in = self._in_buffers(m)
+            t_in.copy_(tok)
+            a_in.copy_(aux)
+            p_in.fill_(start)
+            entry = self._graphs.get(key)
+            first = entry is None
+            if first:
+                entry = self._capture(m, k, kv_len)
+            graph, out = entry
+            graph.replay()
+            drafts = out.clone()
+            if first:
+                ref = self._chain(t_in, a_in, p_in, k, kv_len)
+                if not torch.equal(ref, drafts):
+                    raise SpecopsError("the replayed drafter graph's drafts differ from the eager chain")
+                self._graphs[key] = entry
+            return drafts
+        except Exception as e:  # noqa: BLE001 - any failure: graphs off, this chain and the rest eager
+            self.use_graphs = False
+            self._graphs.clear()
+            self._pool = None
+            self.graph_fallbacks += 1
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(self.device)
+            log.warning("eval: CUDA graph capture of the drafter chain failed (%d pending, k=%d, kv length %d; "
+                        "%s: %s); the drafter runs eagerly on its static cache from now on",
+                        m, k, kv_len, type(e).__name__, e)
+            return None
+
+
+def make_drafter_runner(drafter: Eagle3Drafter, kind: str = "auto") -> EagerDrafterRunner | StaticDrafterRunner:
+    """eval.drafter_runner -> a runner; "auto": static on CUDA, eager elsewhere."""
+    if kind not in DRAFTER_RUNNERS:
+        raise ConfigError(f"eval.drafter_runner: expected one of {', '.join(map(repr, DRAFTER_RUNNERS))}, got {kind!r}")
+    if kind == "static" or (kind == "auto" and drafter.d2t.device.type == "cuda"):
+        return StaticDrafterRunner(drafter)
+    return EagerDrafterRunner(drafter)
