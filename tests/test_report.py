@@ -127,7 +127,7 @@ def test_report_concurrent_workers_without_min_tau_is_no_go(tmp_path):
     camp = make_campaign(tmp_path / "c", eval_toml="baseline_tokens_per_s = 90.0")
     concurrent(camp)
     md, _ = write_report(camp)
-    assert (f"**NO-GO: nothing judged (speed not judged: {REASON}); set eval.min_tau, or rerun with workers = 1**"
+    assert (f"**NO-GO: nothing judged (speed not judged: {REASON}); set eval.min_tau, or rerun with workers = 1 and eval.baseline = true**"
             in md.read_text())
 
 
@@ -162,7 +162,7 @@ def test_verdict_rules():
     assert not v["go"] and v["checks"] == [
         {"check": "measured_speedup", "value": None, "line": 1.0, "ok": None, "skipped": REASON}]
     assert v["line"] == (f"NO-GO: nothing judged (speed not judged: {REASON}); set eval.min_tau, "
-                         "or rerun with workers = 1")
+                         "or rerun with workers = 1 and eval.baseline = true")
 
 
 def test_generate_throughput_buckets_per_minute(tmp_path):

@@ -599,6 +599,25 @@ def test_eval_two_workers_greedy_same_results_as_one(tmp_path, chat_target, eval
     assert reason in md.read_text() and reason in html.read_text()
 
 
+def test_eval_without_baseline_same_tau_half_the_work(tmp_path, chat_target, eval_drafter):
+    """eval.baseline = false (tau-only evaluations): the same speculative rows and tau/acceptance,
+    no target-only run per turn (baseline and identity null), and the summary says why there is
+    no speedup."""
+    from specops.evaluate.specdec import NO_BASELINE
+
+    with_base = run_workers(tmp_path / "a", chat_target, eval_drafter, 1)
+    without = run_workers(tmp_path / "b", chat_target, eval_drafter, 1, extra="baseline = false")
+    for n in EVAL_SETS:
+        rows_a, rows_b = with_base[1][n]["rows"], without[1][n]["rows"]
+        assert [untimed(r)["spec"] for r in rows_a] == [untimed(r)["spec"] for r in rows_b], n
+        assert all(r["baseline"] is None and r["identical"] is None for r in rows_b)
+    s = without[0]
+    assert s["overall"]["tau"] == with_base[0]["overall"]["tau"]
+    assert s["overall"]["acceptance_per_position"] == with_base[0]["overall"]["acceptance_per_position"]
+    assert s["speedup_unavailable"] == NO_BASELINE and s["overall"]["measured_speedup"] is None
+    assert s["overall"]["identical_to_baseline"] is None and s["overall"]["baseline_step_ms"] is None
+
+
 def test_eval_two_workers_sampling_same_results_as_one(tmp_path, chat_target, eval_drafter):
     """T > 0: each turn's sampler is seeded from eval.seed and the conversation's global index, so
     which process ran a conversation does not matter; another seed gives other samples."""

@@ -21,7 +21,7 @@ fi
 # generation (tiny models: a minute of a sliver of the GPU; the experiment's figures are later).
 tests_pid=
 if [ ! -f "$W/results/gpu-tests.log" ]; then
-  (cd "$repo" && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fast_target.py) > "$W/results/gpu-tests.log" 2>&1 &
+  (cd "$repo" && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fast_target.py tests/test_fast_drafter.py) > "$W/results/gpu-tests.log" 2>&1 &
   tests_pid=$!
 fi
 # Where speculators' trainer spends its start-up (session 4: no step in 3.5 min): py-spy dumps of
@@ -35,7 +35,7 @@ if [ -x "$spy" ]; then
       echo "=== $(date -u +%T) pid $pid"; timeout 30 "$spy" dump --pid "$pid" 2>&1 | head -80; n=$((n + 1))
     done ) >> "$W/results/anchor-pyspy.log" 2>&1 &
 fi
-python3 "$repo/bench/quality/run.py" all --work "$W" --model /root/model/smollm2.gguf \
+python3 "$repo/bench/quality/run.py" "${QUALITY_PHASE:-all}" --work "$W" --model /root/model/smollm2.gguf \
   --carry /root/carry/.carry_q ${QUALITY_ARGS:-} 2>&1 | tee -a "$W/results/run.log"
 rc=${PIPESTATUS[0]}
 [ -n "$tests_pid" ] && wait "$tests_pid"

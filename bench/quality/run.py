@@ -64,6 +64,15 @@ SCALES: dict[str, dict[str, Any]] = {
         eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=16,
         timing_runners=("static",),
     ),
+    # tau on the full sets (MT-bench 80 x 2 turns, HumanEval 80, GSM8K 80, Spec-Bench 480; T=1 on
+    # MT-bench 80) of drafters trained earlier: `run.py eval --ours-drafter D --anchor-drafter D`
+    "h200-eval": dict(
+        sharegpt=7800, bfcl=None, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
+        max_model_len=2048, draft_vocab=32000, epochs=1, lr=5e-4, warmup=50, batch_tokens=16384,
+        log_every=20, eval_every=160, checkpoint_every=160, anchor_lr=1e-3, anchor_timeout_s=480,
+        eval_limit=80, spec_bench_limit=480, eval_new_tokens=128, timing_limit=10, timing_new_tokens=256,
+        workers=8, t1_limit=80, timing_runners=("static",),
+    ),
     # what fits the rest of a lease that lost its machine: a small drafter, timing + tau only
     "h200-mini": dict(
         sharegpt=1500, bfcl=500, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
@@ -368,9 +377,9 @@ def phase_timing(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path
 
 
 def phase_eval(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path, which: list[str],
-               ours_drafter: Path | None = None) -> None:
+               ours_drafter: Path | None = None, anchor_drafter: Path | None = None) -> None:
     drafters = {"ours": ours_drafter or work / "campaign" / "drafter" / "export" / "vllm",
-                "anchor": work / "anchor" / "eval_drafter"}
+                "anchor": anchor_drafter or work / "anchor" / "eval_drafter"}
     jobs = []
     for who in which:
         if not (drafters[who] / "config.json").is_file():
@@ -380,8 +389,9 @@ def phase_eval(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path, 
             name = f"{who}-t{int(temp)}"
             if read_result(work, f"eval-{name}"):
                 continue
+            # tau only (the timing phase measures speed, alone): no target-only run per turn
             ev = dict(datasets=sets, temperature=temp, max_new_tokens=s["eval_new_tokens"], workers=s["workers"],
-                      target_runner="auto")
+                      target_runner="auto", baseline=False)
             ev["limit_per_dataset"] = limit or max(s["eval_limit"], s["spec_bench_limit"])
             cfg = eval_config(base, work, name, drafters[who], **ev)
             jobs.append((name, cfg))
@@ -478,6 +488,9 @@ def main() -> None:
     ap.add_argument("--ours-drafter", type=Path,
                     help="our drafter from an earlier run on the same records (an export dir): ours stops at "
                          "extract (the anchor needs the features) and timing/eval use this drafter")
+    ap.add_argument("--anchor-drafter", type=Path,
+                    help="the anchor's drafter from an earlier run (speculators_to_eval.py output): phase eval "
+                         "evaluates it (with --ours-drafter: `run.py eval` needs no campaign, no GPU training)")
     ap.add_argument("--records", type=Path,
                     help="records.tar.xz of an earlier run (generate/<dataset>/records.jsonl): seeds the campaign, "
                          "so generate resumes with every sample done (same datasets and sampling)")
@@ -486,6 +499,8 @@ def main() -> None:
     work = args.work.resolve()
     if args.ours_drafter:
         args.ours_drafter = args.ours_drafter.resolve()
+    if args.anchor_drafter:
+        args.anchor_drafter = args.anchor_drafter.resolve()
     (work / "results").mkdir(parents=True, exist_ok=True)
     data = unpack(work, args.carry)
     trim_eval_sets(data, s["eval_limit"], s.get("spec_bench_limit"))
@@ -510,7 +525,7 @@ def main() -> None:
     steps = {
         "ours": lambda: phase_ours(work, cfg_path, args.ours_drafter),
         "anchor": lambda: phase_anchor(work, s, args.model),
-        "eval": lambda: phase_eval(work, base, s, data, which, args.ours_drafter),
+        "eval": lambda: phase_eval(work, base, s, data, which, args.ours_drafter, args.anchor_drafter),
         "timing": lambda: phase_timing(work, base, s, data, args.ours_drafter),
     }
     wanted = {"all": list(steps), "ours": ["ours"], "timing": ["timing"], "anchor": ["anchor"],

@@ -252,6 +252,9 @@ class EvalSection:
     drafter: str | None = None  # an export dir or a training checkpoint; default: the campaign's latest
     target_runner: Literal["auto", "hf", "static"] = "auto"  # auto: static cache + CUDA graphs on CUDA (fast_target.py)
     drafter_runner: Literal["auto", "eager", "static"] = "auto"  # auto: static cache + a CUDA graph per chain on CUDA (fast_drafter.py)
+    # The target-only greedy run per turn: the measured speedup and (T = 0) the identity check. False
+    # halves the work of a tau-only evaluation (no speedup, no identity check).
+    baseline: bool = True
     # Processes evaluating conversations in parallel on the one device (each loads target + drafter);
     # > 1 is for small, overhead-bound targets: tau and acceptance are exact, speedup needs workers = 1.
     workers: int = 1

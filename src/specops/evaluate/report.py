@@ -75,7 +75,7 @@ def verdict(overall: dict[str, Any], *, baseline_tokens_per_s: float | None, min
         elif judged:
             line = "NO-GO: " + "; ".join(reasons) + f" {why}"
         else:
-            line = f"NO-GO: nothing judged {why}; set eval.min_tau, or rerun with workers = 1"
+            line = f"NO-GO: nothing judged {why}; set eval.min_tau, or rerun with workers = 1 and eval.baseline = true"
     elif go:
         if baseline_tokens_per_s is not None:
             head = f"{tps / baseline_tokens_per_s:.2f}x vs {baseline_tokens_per_s:g} tok/s baseline"

@@ -753,6 +753,7 @@ def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], template_kwargs:
 
 
 SPEEDUP_UNAVAILABLE = "concurrent workers: speedup needs workers = 1"
+NO_BASELINE = "eval.baseline = false: no target-only run to compare with"
 
 
 def prompt_seed(seed: int, index: int, turn: int, stream: str) -> int:
@@ -888,19 +889,25 @@ class _Evaluator:
             spec = speculative_generate(self.runner, self.drafter, ids, k=k, max_new_tokens=ec.max_new_tokens,
                                         temperature=T, eos_ids=eos, gen=self._gen(item["index"], turn, "spec"),
                                         drafter_runner=self.drunner)
-            base = target_generate(self.runner, ids, max_new_tokens=ec.max_new_tokens, temperature=T, eos_ids=eos,
-                                   gen=self._gen(item["index"], turn, "baseline"))
+            base = None
+            if ec.baseline:
+                base = target_generate(self.runner, ids, max_new_tokens=ec.max_new_tokens, temperature=T,
+                                       eos_ids=eos, gen=self._gen(item["index"], turn, "baseline"))
             answer = tok.decode([t for t in spec.tokens if t not in eos], skip_special_tokens=True)
             history.append({"role": "assistant", "content": answer})
             rows.append({"id": item["id"], "turn": turn, "prompt_tokens": len(ids), "answer": answer,
-                         "spec": spec.to_json(), "baseline": base.to_json(),
-                         "identical": (spec.tokens == base.tokens) if T == 0 else None})
+                         "spec": spec.to_json(), "baseline": base.to_json() if base is not None else None,
+                         "identical": (spec.tokens == base.tokens) if T == 0 and base is not None else None})
         return rows, time.perf_counter() - t0
 
 
 def _log_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         sj, bj = r["spec"], r["baseline"]
+        if bj is None:
+            log.info("%s turn %d: %d tokens, tau %.2f, %.1f tok/s", r["id"], r["turn"], len(sj["tokens"]),
+                     sj["tau"] or 0.0, sj["tokens_per_s"] or 0.0)
+            continue
         log.info("%s turn %d: %d tokens, tau %.2f, %.1f vs %.1f tok/s", r["id"], r["turn"], len(sj["tokens"]),
                  sj["tau"] or 0.0, sj["tokens_per_s"] or 0.0, bj["tokens_per_s"] or 0.0)
 
@@ -929,6 +936,8 @@ def _run(cfg: Config, evals: list[DatasetSection], sources: dict[str, Any], seen
             log.info("eval.workers = %d: each worker loads its own target (the loaded one is not used)", workers)
         info, results = _run_workers(cfg, dpath, items, workers, on_workers)
     na = SPEEDUP_UNAVAILABLE if workers > 1 else None
+    if not ec.baseline:
+        na = NO_BASELINE
 
     per_ds: dict[str, Any] = {}
     per_rows: dict[str, list[dict[str, Any]]] = {ds.name: [] for ds in evals}
