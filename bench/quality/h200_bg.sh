@@ -42,7 +42,7 @@ rc=${PIPESTATUS[0]}
 echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 # With device time left: the earlier issues' GPU benchmarks again on this machine (issue 8, item 3).
 # Their inputs are synthetic except the local engine's, which runs the real converted SmolLM2.
-# QUALITY_BENCHES: a space-separated subset of "local-engine extract train train-ab ttt-ab" (default
+# QUALITY_BENCHES: a space-separated subset of "local-engine extract train train-ab ttt-ab drafter-step" (default
 # the first three; "" none). ttt-ab: SmolLM2-shaped training with the dense TTT attention and with
 # block 0 + probe (SPECOPS_TTT_DENSE=1/0). train-ab: SmolLM2-shaped training on varied lengths with torch's cuDNN
 # attention choice kept and with ours (drafter/model.py), one process each.
@@ -68,6 +68,10 @@ if [ -n "$benches" ]; then
       SPECOPS_TTT_DENSE=$dense python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 256 \
         --steps 16 --out "$W/results/bench-ttt-ab-dense$dense.json" > "$W/results/bench-ttt-ab-dense$dense.log" 2>&1
     done ;; esac
+  case " $benches " in *" drafter-step "*)  # eval's drafter: eager vs static cache vs static + CUDA graph
+    d=${QUALITY_DRAFTER:-$W/campaign/drafter/export/vllm}
+    python3 bench/drafter_step.py $( [ -f "$d/config.json" ] && echo --drafter "$d" ) --rounds 400 \
+      --out "$W/results/bench-drafter-step.json" > "$W/results/bench-drafter-step.log" 2>&1 ;; esac
   case " $benches " in *" train "*)
     python3 bench/train_gpu.py --seqs 48 --steps 10 --out "$W/results/bench-train.json" > "$W/results/bench-train.log" 2>&1 ;; esac
 fi
