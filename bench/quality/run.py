@@ -22,6 +22,7 @@ Inputs come from `.carry_q/` (bench/quality/prepare_carry.py): nothing is downlo
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import json
 import lzma
@@ -494,8 +495,19 @@ def main() -> None:
     ap.add_argument("--records", type=Path,
                     help="records.tar.xz of an earlier run (generate/<dataset>/records.jsonl): seeds the campaign, "
                          "so generate resumes with every sample done (same datasets and sampling)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one entry of the scale (e.g. lr=1e-3, epochs=2, eval_limit=40); the value is "
+                         "parsed as a Python literal, else kept as a string")
     args = ap.parse_args()
-    s = SCALES[args.scale]
+    s = dict(SCALES[args.scale])
+    for kv in args.set:
+        key, sep, val = kv.partition("=")
+        if not sep or key not in s:
+            ap.error(f"--set {kv!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(s))}")
+        try:
+            s[key] = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            s[key] = val
     work = args.work.resolve()
     if args.ours_drafter:
         args.ours_drafter = args.ours_drafter.resolve()
