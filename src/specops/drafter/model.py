@@ -337,16 +337,19 @@ def ttt_attention(q: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor],
     probe_k[..., d:d + 2] = 1.0
     probe_v = torch.zeros(B, nkv, 1, d + PROBE_PAD, dtype=dt, device=q.device)
     probe_v[..., d] = 1.0
+    # Keys: the block, the probe, then masked zero keys up to a multiple of 16 (the memory-efficient
+    # kernel wants the mask's rows aligned; torch would otherwise pad a copy of it on every call).
+    Tk = (T + 1 + 15) // 16 * 16
     pad = k0.new_zeros(B, nkv, T, PROBE_PAD).to(dt)
-    keys = torch.cat([torch.cat([k0.to(dt), pad], -1), probe_k], 2)  # [B, nkv, T+1, d+P]
-    vals = torch.cat([torch.cat([v0.to(dt), pad], -1), probe_v], 2)
+    tail = k0.new_zeros(B, nkv, Tk - T - 1, d + PROBE_PAD).to(dt)
+    keys = torch.cat([torch.cat([k0.to(dt), pad], -1), probe_k, tail], 2)  # [B, nkv, Tk, d+P]
+    vals = torch.cat([torch.cat([v0.to(dt), pad], -1), probe_v, tail], 2)
     if rep > 1:
         keys = keys.repeat_interleave(rep, dim=1)
         vals = vals.repeat_interleave(rep, dim=1)
-    # [.., T, T+1] with the probe column always visible; allocated 16-wide aligned (mem-efficient kernel)
-    Tm = T + 1
-    mask = torch.ones(*mask0.shape[:-1], (Tm + 15) // 16 * 16, dtype=torch.bool, device=q.device)[..., :Tm]
+    mask = torch.zeros(*mask0.shape[:-1], Tk, dtype=torch.bool, device=q.device)
     mask[..., :T] = mask0
+    mask[..., T] = True  # the probe: every query sees it
     if q.is_cuda and not _KEEP_CUDNN:
         with sdpa_kernel(_MASKED_BACKENDS):
             out = F.scaled_dot_product_attention(q2, keys, vals, attn_mask=mask, scale=scale)
