@@ -383,6 +383,9 @@ def phase_eval(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path, 
                ours_drafter: Path | None = None, anchor_drafter: Path | None = None) -> None:
     drafters = {"ours": ours_drafter or work / "campaign" / "drafter" / "export" / "vllm",
                 "anchor": anchor_drafter or work / "anchor" / "eval_drafter"}
+    from specops.models import resolve_model_dir
+
+    resolve_model_dir(base["target"]["model"])  # convert the target once, before 2 x `workers` processes load it
     jobs = []
     for who in which:
         if not (drafters[who] / "config.json").is_file():

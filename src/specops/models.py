@@ -69,7 +69,12 @@ def gguf_to_hf(gguf: Path, out: Path | None = None) -> Path:
     if out.exists():  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
         return out
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # lost the race between the check and the rename: keep the winner's
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / ".complete").is_file():
+            raise
     return out
 
 
