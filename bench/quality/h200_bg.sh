@@ -42,10 +42,12 @@ rc=${PIPESTATUS[0]}
 echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 # With device time left: the earlier issues' GPU benchmarks again on this machine (issue 8, item 3).
 # Their inputs are synthetic except the local engine's, which runs the real converted SmolLM2.
-# QUALITY_BENCHES: a space-separated subset of "local-engine extract train train-ab ttt-ab drafter-step" (default
-# the first three; "" none). ttt-ab: SmolLM2-shaped training with the dense TTT attention and with
-# block 0 + probe (SPECOPS_TTT_DENSE=1/0). train-ab: SmolLM2-shaped training on varied lengths with torch's cuDNN
-# attention choice kept and with ours (drafter/model.py), one process each.
+# QUALITY_BENCHES: a space-separated subset of "local-engine extract train train-ab ttt-ab
+# drafter-step train-prof" (default the first three; "" none).
+#   train-ab: SmolLM2-shaped training on varied lengths, torch's cuDNN attention choice kept vs ours
+#   ttt-ab: the same with the dense TTT attention vs block 0 + probe (SPECOPS_TTT_DENSE=1/0)
+#   drafter-step: eval's drafter runners (eager, static, static + CUDA graph), bench/drafter_step.py
+#   train-prof: a torch.profiler table of a SmolLM2-shaped training run (host and device time)
 benches=${QUALITY_BENCHES-local-engine extract train}
 if [ -n "$benches" ]; then
   # 64 GB of disk; done with once the anchor has its result (a failed anchor keeps them, so that a
@@ -72,6 +74,9 @@ if [ -n "$benches" ]; then
     d=${QUALITY_DRAFTER:-$W/campaign/drafter/export/vllm}
     python3 bench/drafter_step.py $( [ -f "$d/config.json" ] && echo --drafter "$d" ) --rounds 400 \
       --out "$W/results/bench-drafter-step.json" > "$W/results/bench-drafter-step.log" 2>&1 ;; esac
+  case " $benches " in *" train-prof "*)  # where a SmolLM2-shaped step spends host and device time
+    python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 128 --steps 8 \
+      --profile "$W/results/train-prof.txt" --out "$W/results/bench-train-prof.json" > "$W/results/bench-train-prof.log" 2>&1 ;; esac
   case " $benches " in *" train "*)
     python3 bench/train_gpu.py --seqs 48 --steps 10 --out "$W/results/bench-train.json" > "$W/results/bench-train.log" 2>&1 ;; esac
 fi
