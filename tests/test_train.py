@@ -365,6 +365,51 @@ def test_ttt_dense_fallback_matches_reference(monkeypatch):
     assert fast.correct.tolist() == dense.correct.tolist()
 
 
+def test_compiled_loss_equals_eager(monkeypatch):
+    """SPECOPS_COMPILE_LOSS=1 on the CPU: the torch.compile'd forward/backward of the soft CE (the
+    CUDA default) give the eager values and gradients, through varying row counts (dynamic shapes)."""
+    import specops.drafter.train as train_mod
+
+    kernels = train_mod._LossKernels()
+    kernels.mode = "1"
+    monkeypatch.setattr(train_mod, "LOSS_KERNELS", kernels)
+    g = torch.Generator().manual_seed(0)
+    p_all = torch.softmax(3 * torch.randn(40, 512, generator=g), -1)
+    for n in (17, 33):
+        logits = (4 * torch.randn(n, 512, generator=g)).requires_grad_()
+        rows = torch.randint(0, 40, (n,), generator=g)
+        gout = torch.rand(n, generator=g)
+        ce = soft_cross_entropy(logits, p_all, rows)
+        (grad,) = torch.autograd.grad(ce, logits, gout)
+        ref = -(p_all[rows] * torch.log_softmax(logits, -1)).sum(-1)
+        (ref_grad,) = torch.autograd.grad(ref, logits, gout)
+        torch.testing.assert_close(ce, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert kernels.fwd is not None and not kernels.failed
+
+
+def test_compiled_loss_failure_falls_back_to_eager(monkeypatch, caplog):
+    import specops.drafter.train as train_mod
+
+    def broken(fn, **kw):
+        def run(*a):
+            raise RuntimeError("inductor: no working C++ compiler")
+        return run
+
+    kernels = train_mod._LossKernels()
+    kernels.mode = "1"
+    monkeypatch.setattr(train_mod, "LOSS_KERNELS", kernels)
+    monkeypatch.setattr(torch, "compile", broken)
+    logits = torch.randn(5, 16, requires_grad=True)
+    p_all = torch.softmax(torch.randn(3, 16), -1)
+    rows = torch.tensor([0, 1, 2, 1, 0])
+    with caplog.at_level("WARNING", logger="specops.train"):
+        ce = soft_cross_entropy(logits, p_all, rows)
+    torch.testing.assert_close(ce, -(p_all[rows] * torch.log_softmax(logits, -1)).sum(-1))
+    ce.sum().backward()  # the backward runs eagerly too
+    assert kernels.failed and "compiled loss failed" in caplog.text and logits.grad is not None
+
+
 def test_soft_cross_entropy_value_and_gradient():
     torch.manual_seed(0)
     logits = torch.randn(6, 10, dtype=torch.float64, requires_grad=True)

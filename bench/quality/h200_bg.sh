@@ -45,7 +45,8 @@ echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 # QUALITY_BENCHES: a space-separated subset of "local-engine extract train train-ab ttt-ab
 # drafter-step train-prof" (default the first three; "" none).
 #   train-ab: SmolLM2-shaped training on varied lengths, torch's cuDNN attention choice kept vs ours
-#   ttt-ab: the same with the dense TTT attention vs block 0 + probe (SPECOPS_TTT_DENSE=1/0)
+#   ttt-ab: the same, before session 5 (dense TTT attention, eager loss), with block 0 + probe
+#           attention, and with the compiled loss too (SPECOPS_TTT_DENSE, SPECOPS_COMPILE_LOSS)
 #   drafter-step: eval's drafter runners (eager, static, static + CUDA graph), bench/drafter_step.py
 #   train-prof: a torch.profiler table of a SmolLM2-shaped training run (host and device time)
 benches=${QUALITY_BENCHES-local-engine extract train}
@@ -65,10 +66,11 @@ if [ -n "$benches" ]; then
       SPECOPS_SDPA_CUDNN=$keep python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 256 \
         --steps 16 --out "$W/results/bench-train-ab-cudnn$keep.json" > "$W/results/bench-train-ab-cudnn$keep.log" 2>&1
     done ;; esac
-  case " $benches " in *" ttt-ab "*)  # TTT attention: dense masks vs block 0 + probe (drafter/model.py)
-    for dense in 1 0; do
-      SPECOPS_TTT_DENSE=$dense python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 256 \
-        --steps 16 --out "$W/results/bench-ttt-ab-dense$dense.json" > "$W/results/bench-ttt-ab-dense$dense.log" 2>&1
+  case " $benches " in *" ttt-ab "*)  # session 5's trainer changes, one at a time (drafter/model.py, train.py)
+    for arm in "1 0 before" "0 0 attn" "0 auto attn+loss"; do
+      set -- $arm
+      SPECOPS_TTT_DENSE=$1 SPECOPS_COMPILE_LOSS=$2 python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 \
+        --vary-len 128 --seqs 256 --steps 16 --out "$W/results/bench-ttt-ab-$3.json" > "$W/results/bench-ttt-ab-$3.log" 2>&1
     done ;; esac
   case " $benches " in *" drafter-step "*)  # eval's drafter: eager vs static cache vs static + CUDA graph
     d=${QUALITY_DRAFTER:-$W/campaign/drafter/export/vllm}

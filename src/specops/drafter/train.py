@@ -406,25 +406,81 @@ def teacher_targets(teacher: Teacher, batch: Batch) -> Targets:
     return Targets(torch.softmax(logits, dim=-1), logits.argmax(-1), row_of)
 
 
+def _ce_forward(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    x = logits.float()
+    return -(p_all[rows] * torch.log_softmax(x, dim=-1)).sum(-1)
+
+
+def _ce_backward(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return ((torch.softmax(logits.float(), dim=-1) - p_all[rows]) * grad[:, None]).to(logits.dtype)
+
+
+class _LossKernels:
+    """The soft cross-entropy's forward and backward, eager or fused by torch.compile.
+
+    Eagerly each is a chain of full passes over [n, Vd] in fp32 (cast, gather p_all[rows],
+    log_softmax or softmax, multiply, reduce): about 90 bytes moved per logit per TTT step, which on
+    the H200 made the loss, not the matmuls, the largest device time of a SmolLM2-sized step. Compiled
+    (two small graphs, dynamic shapes: one compile each per process, seconds), the gather becomes an
+    indirect load inside one fused reduction: ~8 bytes per logit. SPECOPS_COMPILE_LOSS: "auto"
+    (default: compile on CUDA), "1" (also on CPU: tests), "0" (never). A compile or run that raises
+    turns it off for the process with a warning, and the eager pair computes the step.
+    """
+
+    def __init__(self) -> None:
+        self.mode = os.environ.get("SPECOPS_COMPILE_LOSS", "auto")
+        self.failed = False
+        self.fwd = self.bwd = None
+
+    def _use(self, t: torch.Tensor) -> bool:
+        if self.failed or self.mode == "0":
+            return False
+        return self.mode == "1" or t.device.type == "cuda"
+
+    def _run(self, name: str, eager: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+        if not self._use(args[0]):
+            return eager(*args)
+        try:
+            if self.fwd is None:
+                self.fwd = torch.compile(_ce_forward, dynamic=True)
+                self.bwd = torch.compile(_ce_backward, dynamic=True)
+            return (self.fwd if name == "forward" else self.bwd)(*args)
+        except Exception as e:  # noqa: BLE001 - compiled or not, the step's math is the same
+            self.failed = True
+            log.warning("train: the compiled loss failed (%s: %s); the eager loss runs from now on",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return eager(*args)
+
+    def forward(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self._run("forward", _ce_forward, logits, p_all, rows)
+
+    def backward(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor
+                 ) -> torch.Tensor:
+        return self._run("backward", _ce_backward, logits, p_all, rows, grad)
+
+
+LOSS_KERNELS = _LossKernels()
+
+
 class _SoftCrossEntropy(torch.autograd.Function):
     """-sum_v p(v) log softmax(logits)(v) per row, p = p_all[rows].
 
     Saves only the logits (bf16 under autocast) and the row indices into p_all, which all K steps
     share; autograd's own graph would keep p[rows] and log_softmax in fp32 for every step (at 16K
     tokens × 32K draft vocab that is 4 GiB per step). Gradient: (softmax(logits) - p) · g, as sum(p) = 1.
+    Both directions run through LOSS_KERNELS (fused by torch.compile on CUDA).
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        ce = -(p_all[rows] * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+        ce = LOSS_KERNELS.forward(logits, p_all, rows)
         ctx.save_for_backward(logits, p_all, rows)
         return ce
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, p_all, rows = ctx.saved_tensors
-        g = (torch.softmax(logits.float(), dim=-1) - p_all[rows]) * grad[:, None]
-        return g.to(logits.dtype), None, None
+        return LOSS_KERNELS.backward(logits, p_all, rows, grad.contiguous()), None, None
 
 
 def soft_cross_entropy(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
