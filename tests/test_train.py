@@ -348,6 +348,25 @@ def test_ttt_attention_equals_dense_with_gradients(dtype, steps):
         assert err_new <= 1.5 * err_dense + 0.02 * true_t.abs().max().item(), (err_new, err_dense)
 
 
+def test_ttt_attention_under_cpu_autocast_keeps_fp32_scores():
+    """Under bf16 autocast (as in training) the diagonal scores stay fp32: the output matches the
+    float64 truth as closely as the dense SDPA under the same autocast."""
+    from specops.drafter.model import ttt_attention
+
+    g = torch.Generator().manual_seed(7)
+    B, nh, nkv, T, d = 1, 4, 2, 16, 16
+    mask0 = ttt_masks(torch.zeros(B, T, dtype=torch.long), 1)[0]
+    xs = [3 * torch.randn(B, n, T, d, generator=g, dtype=torch.float64) for n in [nh] + [nkv] * 8]
+    truth = _dense_ttt_attention(xs[0], tuple(xs[1:3]), [tuple(xs[i:i + 2]) for i in range(3, 9, 2)], mask0)
+    bf = [x.to(torch.bfloat16) for x in xs]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        new = ttt_attention(bf[0], tuple(bf[1:3]), [tuple(bf[i:i + 2]) for i in range(3, 9, 2)], mask0)
+        dense = _dense_ttt_attention(bf[0], tuple(bf[1:3]), [tuple(bf[i:i + 2]) for i in range(3, 9, 2)], mask0)
+    err_new = (new.double() - truth).abs().max().item()
+    err_dense = (dense.double() - truth).abs().max().item()
+    assert new.dtype == torch.bfloat16 and err_new <= 1.5 * err_dense + 0.02 * truth.abs().max().item()
+
+
 def test_ttt_dense_fallback_matches_reference(monkeypatch):
     """SPECOPS_TTT_DENSE=1 (the A/B baseline) still computes the same unroll."""
     import specops.drafter.train as train_mod

@@ -323,11 +323,16 @@ def ttt_attention(q: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor],
     nkv = k0.shape[1]
     rep = nh // nkv
     scale = 1.0 / math.sqrt(d)
-    qg = q.view(B, nkv, rep, T, d).float()
-    s = torch.stack([(qg * kj[:, :, None].float()).sum(-1) for kj, _ in diag], -1) * scale  # [B,nkv,rep,T,k]
-    m = torch.logsumexp(s, -1)  # [B, nkv, rep, T]
-    w = torch.softmax(s, -1)
-    wv = sum(w[..., j, None] * vj[:, :, None].float() for j, (_, vj) in enumerate(diag))  # [B,nkv,rep,T,d]
+    # Per-slot products as batched matmuls (no [.., T, d] intermediate per step j), in fp32 even
+    # under autocast: the scores feed a softmax, as inside SDPA.
+    with torch.autocast(q.device.type, enabled=False):
+        qg = q.view(B, nkv, rep, T, d).float()
+        kd = torch.stack([kj for kj, _ in diag], 2).float()  # [B, nkv, k, T, d]
+        vd = torch.stack([vj for _, vj in diag], 2).float()
+        s = torch.einsum("bgrtd,bgjtd->bgrtj", qg, kd) * scale  # [B, nkv, rep, T, k]
+        m = torch.logsumexp(s, -1)  # [B, nkv, rep, T]
+        w = torch.softmax(s, -1)
+        wv = torch.einsum("bgrtj,bgjtd->bgrtd", w, vd)  # [B, nkv, rep, T, d]
     mq = (m / scale).reshape(B, nh, T, 1)
     hi = mq.to(q.dtype)
     lo = (mq - hi.float()).to(q.dtype)
