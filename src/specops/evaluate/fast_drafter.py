@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
 from ..drafter.model import _MASKED_BACKENDS, Eagle3Drafter, _rotate_half
 from ..errors import ConfigError, SpecopsError
@@ -171,7 +172,7 @@ class StaticDrafterRunner:
             vals = vals.repeat_interleave(self.rep, dim=1)
         mask = (self.arange[:kv_len][None, :] <= pos[:, None])[None, None]  # [1, 1, T, kv_len]
         if q.is_cuda:
-            with torch.nn.attention.sdpa_kernel(_MASKED_BACKENDS):
+            with sdpa_kernel(_MASKED_BACKENDS):
                 o = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask)
         else:
             o = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask)
