@@ -44,6 +44,7 @@ from torch.nn.attention import sdpa_kernel
 
 from ..drafter.model import _MASKED_BACKENDS, Eagle3Drafter, _rotate_half
 from ..errors import ConfigError, SpecopsError
+from .fast_target import _pow2_at_least
 
 log = logging.getLogger("specops.eval")
 
@@ -51,13 +52,6 @@ __all__ = ["DRAFTER_RUNNERS", "EagerDrafterRunner", "StaticDrafterRunner", "make
 
 DRAFTER_RUNNERS = ("auto", "eager", "static")
 MIN_BUCKET = 256
-
-
-def _pow2_at_least(n: int, floor: int) -> int:
-    b = floor
-    while b < n:
-        b *= 2
-    return b
 
 
 class EagerDrafterRunner:
