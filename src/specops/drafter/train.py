@@ -397,13 +397,14 @@ class Targets(NamedTuple):
 def teacher_targets(teacher: Teacher, batch: Batch) -> Targets:
     """Teacher distributions for the slots some step needs: j with x_{j+1} in the same document
     and trainable (slot t+1+k feeds step k at slot t)."""
-    T = batch.input_ids.shape[1]
+    B, T = batch.input_ids.shape
     slot = torch.arange(T, device=batch.doc.device)
     need = (batch.doc >= 0) & (slot + 1 < batch.doc_end) & shift_left(batch.loss_mask, 1, False)
-    row_of = torch.full_like(batch.doc, -1)
-    row_of[need] = torch.arange(int(need.sum()), device=need.device)
-    logits = teacher.logits(batch.final[need])  # [M, Vd]
-    return Targets(torch.softmax(logits, dim=-1), logits.argmax(-1), row_of)
+    idx = need.view(-1).nonzero().squeeze(1)  # the step's one host sync here (the row count)
+    row_of = torch.full((B * T,), -1, dtype=torch.long, device=need.device)
+    row_of[idx] = torch.arange(idx.numel(), device=need.device)
+    logits = teacher.logits(batch.final.reshape(B * T, -1).index_select(0, idx))  # [M, Vd]
+    return Targets(torch.softmax(logits, dim=-1), logits.argmax(-1), row_of.view(B, T))
 
 
 def _ce_forward(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -513,28 +514,35 @@ def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps
     hidden = drafter.fuse(batch.aux)  # [B, T, H]
     dense = _TTT_DENSE
     masks = ttt_masks(batch.doc, steps) if dense else [ttt_masks(batch.doc, 1)[0]] * steps
+    # Every step's counted slots depend on the batch alone: found up front with one nonzero over
+    # [K, B*T] (row-major, so each step's slots keep the order of a boolean index), instead of two
+    # host syncs per step. valid_k: x_{t+2+k} is in the document and trainable.
+    valid = torch.stack([(batch.doc >= 0) & (slot + 2 + k < batch.doc_end)
+                         & shift_left(batch.loss_mask, 2 + k, False) for k in range(steps)]).view(steps, B * T)
+    row_src = torch.stack([shift_left(targets.row_of, 1 + k, -1) for k in range(steps)]).view(steps, B * T)
+    nz = valid.nonzero()  # [N, 2]: (step, slot)
+    n_per = valid.sum(1)  # [K] on the device (the counts below)
+    sizes = n_per.tolist()  # the queue is drained already: no second wait
+    slots_k = nz[:, 1].split(sizes)
+    rows_k = row_src[nz[:, 0], nz[:, 1]].split(sizes)  # teacher after x_{t+1+k}
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
     loss = hidden.new_zeros((), dtype=torch.float32)
-    ce_sums, corrects, counts, all_logits = [], [], [], []
+    ce_sums, corrects, all_logits = [], [], []
     for k in range(steps):
         tokens = shift_left(batch.input_ids, 1 + k)  # [B, T]: x_{t+1+k}
         out = drafter(tokens, hidden, batch.pos + k, attn_mask=masks[k], past_kv=past, return_logits=False,
                       ttt=not dense)
         past.append(out.kv)
         hidden = out.hidden  # [B, T, H], the next step's hidden input (gradient flows through)
-        valid = (batch.doc >= 0) & (slot + 2 + k < batch.doc_end) & shift_left(batch.loss_mask, 2 + k, False)
-        rows = shift_left(targets.row_of, 1 + k, -1)[valid]  # teacher after x_{t+1+k}
-        logits = drafter.compute_logits(hidden[valid])  # [n_k, Vd], only counted slots
+        rows = rows_k[k]
+        logits = drafter.compute_logits(hidden.reshape(B * T, -1).index_select(0, slots_k[k]))  # [n_k, Vd]
         ce = soft_cross_entropy(logits, targets.p, rows)  # [n_k] float32
-        n = ce.numel()
-        loss = loss + (decay ** k) * ce.sum() / max(n, 1)
+        loss = loss + (decay ** k) * ce.sum() / max(sizes[k], 1)
         ce_sums.append(ce.detach().sum())
         corrects.append((logits.detach().argmax(-1) == targets.argmax[rows]).sum())
-        counts.append(torch.tensor(n, device=ce.device))
         if return_logits:
             all_logits.append(drafter.compute_logits(hidden).float())
-    return TTTOut(loss, torch.stack(ce_sums), torch.stack(corrects), torch.stack(counts),
-                  all_logits if return_logits else None)
+    return TTTOut(loss, torch.stack(ce_sums), torch.stack(corrects), n_per, all_logits if return_logits else None)
 
 
 class TTTModule(nn.Module):
