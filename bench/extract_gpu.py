@@ -109,8 +109,13 @@ def specops_extract(target: TargetModel, work: Path, lens: list[int], budget: in
     sync()
     dt = time.perf_counter() - t0
     tr = summary["splits"]["train"] if "splits" in summary else summary["train"]
+    # Where the time beyond the forward goes: each shard's sidecar has its compute+write seconds and
+    # its finalize (fsync + sha256 read-back); the last shard's finalize is a tail nothing overlaps.
+    sides = sorted((json.loads(f.read_text()) for f in (camp_dir / "features" / "train").glob("*.done")),
+                   key=lambda d: d["g"])
     out = {"tokens_per_s": sum(lens) / dt, "seconds": dt, "bytes_per_token": tr.get("bytes_per_token"),
-           "bytes": tr.get("bytes"), "padding_waste": tr.get("padding_waste")}
+           "bytes": tr.get("bytes"), "padding_waste": tr.get("padding_waste"),
+           "shard_seconds": [d["seconds"] for d in sides], "finalize_seconds": [d["finalize_seconds"] for d in sides]}
     shutil.rmtree(camp_dir)
     return out
 
@@ -146,6 +151,10 @@ def main() -> None:
             "ratio_fp8": round(fp8["tokens_per_s"] / base, 3),
             "bytes_per_token_bf16": bf16["bytes_per_token"], "bytes_per_token_fp8": fp8["bytes_per_token"],
             "padding_waste": bf16["padding_waste"],
+            "seconds": {"bare": round(sum(lens) / base, 3), "bf16": round(bf16["seconds"], 3),
+                        "fp8": round(fp8["seconds"], 3)},
+            "shards": {k: {"shard_seconds": r["shard_seconds"], "finalize_seconds": r["finalize_seconds"]}
+                       for k, r in (("bf16", bf16), ("fp8", fp8))},
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
