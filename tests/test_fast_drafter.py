@@ -165,3 +165,21 @@ def test_cuda_graph_chain_equals_eager_and_loop_is_lossless(tmp_path):
     ref = greedy_reference(target.model, p, 60)
     assert speculative_generate(st, d, p, k=4, max_new_tokens=60, drafter_runner=graphed).tokens == ref
     assert graphed.graph_fallbacks == 0
+
+
+def test_drafter_step_bench_runs_and_checks_drafts(tmp_path):
+    """bench/drafter_step.py on the CPU (random SmolLM2-shaped drafter): both runners time their
+    rounds and draft the same tokens."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, str(repo / "bench" / "drafter_step.py"), "--k", "2", "--rounds", "12",
+                        "--prompt", "20", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["same_drafts_as_eager"] == {"eager": True, "static": True}
+    assert res["ms_per_draft_token"]["eager"] > 0 and res["ms_per_draft_token"]["static"] > 0
