@@ -35,9 +35,14 @@ if [ -x "$spy" ]; then
       echo "=== $(date -u +%T) pid $pid"; timeout 30 "$spy" dump --pid "$pid" 2>&1 | head -80; n=$((n + 1))
     done ) >> "$W/results/anchor-pyspy.log" 2>&1 &
 fi
-python3 "$repo/bench/quality/run.py" "${QUALITY_PHASE:-all}" --work "$W" --model /root/model/smollm2.gguf \
-  --carry /root/carry/.carry_q ${QUALITY_ARGS:-} 2>&1 | tee -a "$W/results/run.log"
-rc=${PIPESTATUS[0]}
+# QUALITY_PHASE: run.py phases in order (default "all"; e.g. "eval timing" for drafters trained earlier)
+rc=0
+for phase in ${QUALITY_PHASE:-all}; do
+  python3 "$repo/bench/quality/run.py" "$phase" --work "$W" --model /root/model/smollm2.gguf \
+    --carry /root/carry/.carry_q ${QUALITY_ARGS:-} 2>&1 | tee -a "$W/results/run.log"
+  r=${PIPESTATUS[0]}
+  [ "$r" -ne 0 ] && rc=$r
+done
 [ -n "$tests_pid" ] && wait "$tests_pid"
 echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 # With device time left: the earlier issues' GPU benchmarks again on this machine (issue 8, item 3).
