@@ -91,14 +91,14 @@ def bare_forward(target: TargetModel, lens: list[int], budget: int, vocab: int) 
 
 
 def specops_extract(target: TargetModel, work: Path, lens: list[int], budget: int, dtype: str,
-                    shard_tokens: int) -> dict:
-    camp_dir = work / f"camp-{dtype}"
+                    shard_tokens: int, tail_split: int = 1) -> dict:
+    camp_dir = work / f"camp-{dtype}-{tail_split}"
     vocab = target.vocab_size
     write_build(camp_dir, lens, vocab)
     cfg = config_from_dict({
         "campaign": {"name": "bench", "dir": str(camp_dir)},
         "target": {"model": str(target.model_dir)},
-        "extract": {"dtype": dtype, "token_budget": budget, "shard_tokens": shard_tokens},
+        "extract": {"dtype": dtype, "token_budget": budget, "shard_tokens": shard_tokens, "tail_split": tail_split},
         "datasets": [{"name": "b", "path": str(work / "dummy.jsonl")}],
     })
     camp = Campaign.create_or_open(cfg)
@@ -128,6 +128,8 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--token-budget", type=int, default=32768)
     ap.add_argument("--shard-tokens", type=int, default=1 << 16, help="default: extract.shard_tokens's")
+    ap.add_argument("--tail-split", type=int, default=1,
+                    help="> 1: also bf16 with extract.tail_split = N (smaller final shards), same run")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -140,6 +142,8 @@ def main() -> None:
         base = bare_forward(target, lens, a.token_budget, target.vocab_size)
         bf16 = specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens)
         fp8 = specops_extract(target, work, lens, a.token_budget, "float8_e4m3fn", a.shard_tokens)
+        tail = (specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, a.tail_split)
+                if a.tail_split > 1 else None)
         res = {
             "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
             "model": "tiny" if a.tiny else "llama-8B-shaped random (H4096, L32, V128256)",
@@ -154,8 +158,12 @@ def main() -> None:
             "seconds": {"bare": round(sum(lens) / base, 3), "bf16": round(bf16["seconds"], 3),
                         "fp8": round(fp8["seconds"], 3)},
             "shards": {k: {"shard_seconds": r["shard_seconds"], "finalize_seconds": r["finalize_seconds"]}
-                       for k, r in (("bf16", bf16), ("fp8", fp8))},
+                       for k, r in (("bf16", bf16), ("fp8", fp8), ("bf16_tail", tail)) if r is not None},
         }
+        if tail is not None:
+            res.update({"tail_split": a.tail_split, "specops_bf16_tail_tok_s": round(tail["tokens_per_s"], 1),
+                        "ratio_bf16_tail": round(tail["tokens_per_s"] / base, 3),
+                        "seconds_bf16_tail": round(tail["seconds"], 3)})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(res, indent=1))

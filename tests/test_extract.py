@@ -193,6 +193,20 @@ def test_shard_plan_is_pure_and_covers_everything():
     assert [(s.start, s.stop) for s in plan_shards(offs, 20, 1)] == [(s.start, s.stop) for s in a]
     assert all(s.n_tokens <= 20 or s.n_samples == 1 for s in a)
 
+    # tail_split: runs that would reach into the last W * shard_tokens tokens are cut at shard_tokens // n
+    lens2 = [10] * 12  # 120 tokens
+    offs2 = [10 * i for i in range(13)]
+    flat = plan_shards(offs2, 40, 1)
+    assert [s.n_tokens for s in flat] == [40, 40, 40]
+    tail = plan_shards(offs2, 40, 1, tail_split=4)
+    assert [s.n_tokens for s in tail] == [40, 40, 10, 10, 10, 10]  # the tail starts at token 80
+    assert tail == plan_shards(offs2, 40, 1, tail_split=4)
+    two = plan_shards(offs2, 40, 2, tail_split=2)  # the last 80 tokens: runs of 20; each rank ends small
+    assert [s.n_tokens for s in two] == [40, 20, 20, 20, 20] and [s.rank for s in two[-2:]] == [1, 0]
+    for plan in (tail, two):  # every sample exactly once, in build order
+        assert [i for sh in plan for i in range(sh.start, sh.stop)] == list(range(len(lens2)))
+    assert plan_shards(offs2, 40, 1, tail_split=1) == flat
+
     batches = plan_batches([5, 0, 40, 7, 7, 3], token_budget=16)
     assert batches == [[2], [3, 4], [0, 5]]  # longest first; 0-length left out; 40 > budget runs alone
     assert all(len(b) * max([5, 0, 40, 7, 7, 3][i] for i in b) <= 16 or len(b) == 1 for b in batches)
@@ -425,6 +439,27 @@ def test_torchrun_two_processes_match_one(tmp_path, llama_dir):
             torch.testing.assert_close(s1[i]["aux"], s2[i]["aux"])  # thread counts differ: bf16 rounding
             torch.testing.assert_close(s1[i]["final"], s2[i]["final"])
     assert camp2.read_manifest()["phases"]["extract"]["state"] == "done"
+
+
+def test_tail_split_stores_the_same_features_in_smaller_final_shards(tmp_path, llama_dir):
+    """extract.tail_split = 3: the same per-sample features as uniform shards; more, smaller shards
+    at the end of the split; the plan records it (and only then: uniform plans keep their keys)."""
+    cfg1, camp1 = make_campaign(tmp_path / "uniform", llama_dir)
+    cfg3, camp3 = make_campaign(tmp_path / "tail", llama_dir, tail_split=3)
+    run_extract(cfg1, camp1, split="train")
+    run_extract(cfg3, camp3, split="train")
+    d1, d3 = camp1.root / "features" / "train", camp3.root / "features" / "train"
+    i1, i3 = (json.loads((d / "index.json").read_text()) for d in (d1, d3))
+    assert "tail_split" not in i1["plan"] and i3["plan"]["tail_split"] == 3
+    assert len(i3["shards"]) > len(i1["shards"])
+    # the last shards hold <= shard_tokens / 3 tokens (or one longer sample)
+    assert all(sh["n_tokens"] <= 600 // 3 or sh["n_samples"] == 1 for sh in i3["shards"][-3:])
+    assert max(sh["n_tokens"] for sh in i1["shards"][-3:]) > 600 // 3
+    s1, s3 = stored_by_sample(d1), stored_by_sample(d3)
+    assert sorted(s1) == sorted(s3) == list(range(len(LENGTHS["train"])))
+    for i in s1:
+        for key in ("input_ids", "loss_mask", "aux", "final"):
+            torch.testing.assert_close(s1[i][key], s3[i][key])  # other batches: bf16 rounding may differ
 
 
 # ----------------------------------------------------------------------------- refusals

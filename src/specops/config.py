@@ -167,6 +167,10 @@ class ExtractSection:
     # the tail a run waits on (the last shard's fsync + hash). 65,536 tokens: 2.1 GB for an
     # 8B-shaped target in bf16, 3.8 GB at hidden 7168, 0.3 GB for SmolLM2.
     shard_tokens: int = 1 << 16
+    # > 1: the runs that reach into a split's last world_size x shard_tokens tokens go into shards
+    # this many times smaller, so the final fsync + hash that nothing overlaps shrinks too (1:
+    # uniform shards).
+    tail_split: int = 1
     device: str = "auto"  # auto: cuda:<LOCAL_RANK> if available else cpu
     mode: Literal["offline", "online"] = "offline"  # online: training computes features in process
 

@@ -523,17 +523,24 @@ class Shard:
         return self.stop - self.start
 
 
-def plan_shards(offsets: Sequence[int], shard_tokens: int, world_size: int) -> list[Shard]:
-    """Cut samples (build order) into runs of <= shard_tokens tokens; global shard g -> rank g % W."""
-    if shard_tokens <= 0 or world_size <= 0:
-        raise ValueError("shard_tokens and world_size must be > 0")
+def plan_shards(offsets: Sequence[int], shard_tokens: int, world_size: int, tail_split: int = 1) -> list[Shard]:
+    """Cut samples (build order) into runs of <= shard_tokens tokens; global shard g -> rank g % W.
+    tail_split > 1: a run that would reach into the split's last world_size * shard_tokens tokens is
+    cut at shard_tokens // tail_split instead, so each rank's final shard (whose fsync + hash nothing
+    overlaps) is that many times smaller."""
+    if shard_tokens <= 0 or world_size <= 0 or tail_split <= 0:
+        raise ValueError("shard_tokens, world_size and tail_split must be > 0")
     offs = [int(o) for o in offsets]
     S = len(offs) - 1
+    tail_from = offs[-1] - world_size * shard_tokens
     shards: list[Shard] = []
     start = 0
     while start < S:
+        cap = shard_tokens
+        if tail_split > 1 and offs[start] + shard_tokens > tail_from:
+            cap = max(1, shard_tokens // tail_split)
         stop = start + 1
-        while stop < S and offs[stop + 1] - offs[start] <= shard_tokens:
+        while stop < S and offs[stop + 1] - offs[start] <= cap:
             stop += 1
         g = len(shards)
         shards.append(Shard(g, g % world_size, g // world_size, start, stop, offs[start], offs[stop]))
@@ -609,7 +616,7 @@ def _model_fingerprint(model_dir: Path) -> str:
 
 
 def _open_split(
-    campaign: Campaign, split: str, *, shard_tokens: int, world: int, plan_base: dict[str, Any]
+    campaign: Campaign, split: str, *, shard_tokens: int, world: int, plan_base: dict[str, Any], tail_split: int = 1
 ) -> _Split:
     from safetensors import safe_open
 
@@ -636,13 +643,15 @@ def _open_split(
         if n_lines != len(offsets) - 1:
             raise InputError(f"{ids_path}: {n_lines} ids for {len(offsets) - 1} samples in {path.name}")
     plan = dict(plan_base, build_sha256=sha256_file(path), shard_tokens=shard_tokens, world_size=world, split=split)
+    if tail_split > 1:  # only then: plans (and keys) of uniform runs stay as they were
+        plan["tail_split"] = tail_split
     key = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
     return _Split(
         name=split,
         build_path=path,
         out_dir=campaign.root / "features" / split,
         offsets=offsets,
-        shards=plan_shards(offsets.tolist(), shard_tokens, world),
+        shards=plan_shards(offsets.tolist(), shard_tokens, world, tail_split),
         plan=plan,
         plan_key=key,
     )
@@ -654,6 +663,8 @@ def _check_extract_config(cfg: Config) -> None:
         raise ConfigError(f"extract.token_budget: must be > 0, got {x.token_budget}")
     if x.shard_tokens <= 0:
         raise ConfigError(f"extract.shard_tokens: must be > 0, got {x.shard_tokens}")
+    if x.tail_split <= 0:
+        raise ConfigError(f"extract.tail_split: must be > 0, got {x.tail_split}")
     if x.aux_layer_ids is not None and len(x.aux_layer_ids) != 3:
         raise ConfigError(f"extract.aux_layer_ids: EAGLE-3 takes exactly 3 layers, got {x.aux_layer_ids}")
 
@@ -1054,7 +1065,8 @@ def run_extract(
         campaign.set_phase("extract", "running", splits=names, world_size=world)
     try:
         splits = [
-            _open_split(campaign, n, shard_tokens=x.shard_tokens, world=world, plan_base=plan_base) for n in names
+            _open_split(campaign, n, shard_tokens=x.shard_tokens, world=world, plan_base=plan_base,
+                        tail_split=x.tail_split) for n in names
         ]
         # Disk forecast over every rank's unfinished shards (all ranks see the same directory).
         need = 0
