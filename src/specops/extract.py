@@ -13,9 +13,11 @@ What is captured (DESIGN, "EAGLE-3 conventions"):
 
 Only the decoder stack runs (never lm_head: [B, T, vocab] logits would dwarf the features).
 
-Shard plan, a pure function of (build offsets, shard_tokens, world size): samples in build order
-are cut into consecutive runs of at most `shard_tokens` tokens (a longer sample is a shard of its
-own); global shard g belongs to rank g % W as that rank's shard k = g // W. Inside a shard, samples
+Shard plan, a pure function of (build offsets, shard_tokens, world size, tail_split): samples in
+build order are cut into consecutive runs of at most `shard_tokens` tokens (a longer sample is a
+shard of its own; with tail_split = n > 1, runs that reach into the split's last W x shard_tokens
+tokens are cut at shard_tokens // n, a shorter tail to wait on); global shard g belongs to rank
+g % W as that rank's shard k = g // W. Inside a shard, samples
 are sorted longest first and packed into forward batches of <= token_budget padded tokens; rows are
 written back in build order. Right padding under a causal mask leaves every real token's states
 exact (no real token attends to a later position), so batches pass no attention mask.
