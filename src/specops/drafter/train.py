@@ -431,21 +431,20 @@ class _LossKernels:
     def __init__(self) -> None:
         self.mode = os.environ.get("SPECOPS_COMPILE_LOSS", "auto")
         self.failed = False
-        self.fwd = self.bwd = None
+        self.compiled: dict[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] = {}
 
     def _use(self, t: torch.Tensor) -> bool:
         if self.failed or self.mode == "0":
             return False
         return self.mode == "1" or t.device.type == "cuda"
 
-    def _run(self, name: str, eager: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    def _run(self, eager: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
         if not self._use(args[0]):
             return eager(*args)
         try:
-            if self.fwd is None:
-                self.fwd = torch.compile(_ce_forward, dynamic=True)
-                self.bwd = torch.compile(_ce_backward, dynamic=True)
-            return (self.fwd if name == "forward" else self.bwd)(*args)
+            if eager not in self.compiled:
+                self.compiled[eager] = torch.compile(eager, dynamic=True)
+            return self.compiled[eager](*args)
         except Exception as e:  # noqa: BLE001 - compiled or not, the step's math is the same
             self.failed = True
             log.warning("train: the compiled loss failed (%s: %s); the eager loss runs from now on",
@@ -453,11 +452,11 @@ class _LossKernels:
             return eager(*args)
 
     def forward(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self._run("forward", _ce_forward, logits, p_all, rows)
+        return self._run(_ce_forward, logits, p_all, rows)
 
     def backward(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor
                  ) -> torch.Tensor:
-        return self._run("backward", _ce_backward, logits, p_all, rows, grad)
+        return self._run(_ce_backward, logits, p_all, rows, grad)
 
 
 LOSS_KERNELS = _LossKernels()

@@ -167,28 +167,38 @@ class StaticDrafterRunner:
         mask = (self.arange[:kv_len][None, :] <= pos[:, None])[None, None]  # [1, 1, T, kv_len]
         if q.is_cuda:
             with sdpa_kernel(_MASKED_BACKENDS):
-                o = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask)
+                o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
         else:
-            o = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask)
+            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
         h = residual + at.o_proj(o.transpose(1, 2).reshape(1, T, self.nh * self.hd))
         return h + ml.mlp(ml.post_attention_layernorm(h))
 
-    def _chain(self, tok: torch.Tensor, aux: torch.Tensor, pos0: torch.Tensor, k: int, kv_len: int) -> torch.Tensor:
-        """The greedy chain: pending tok [1, m] / aux [1, m, 3, H_t] at pos0 + 0..m-1, then k argmax
-        drafts -> target ids [k]. pos0 is a 0-d device tensor (a graph input)."""
+    def _chain(self, tok: torch.Tensor, aux: torch.Tensor, pos0: torch.Tensor, k: int, kv_len: int,
+               temperature: float = 0.0, gen: torch.Generator | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pending tok [1, m] / aux [1, m, 3, H_t] at pos0 + 0..m-1, then k drafts -> (target ids [k],
+        q [k, Vd] or None). Temperature 0: argmax drafts, graph-capturable (pos0 is a 0-d device
+        tensor, a graph input). Temperature > 0: each draft sampled from softmax(logits / T) with
+        `gen` (eager only: the generator's state lives on the host)."""
+        from .specdec import _sample
+
         d = self.drafter
         m = tok.shape[1]
         pos = pos0 + self.arange[:m]
         h = self._layer(tok, d.fuse(aux), pos, kv_len)[:, -1:]
-        last = pos[-1:]
-        drafts = []
+        drafts, qs = [], []
         for j in range(k):
-            t = d.draft_to_target(d.compute_logits(h[0, -1]).float().argmax(-1))
+            logits = d.compute_logits(h[0, -1]).float()
+            if temperature > 0:
+                qs.append(torch.softmax(logits / temperature, dim=-1))
+                t = d.draft_to_target(_sample(qs[-1], gen))
+            else:
+                t = d.draft_to_target(logits.argmax(-1))
             drafts.append(t)
             if j == k - 1:
                 break
-            h = self._layer(t.view(1, 1), h, last + 1 + j, kv_len)
-        return torch.stack(drafts)
+            h = self._layer(t.view(1, 1), h, pos[-1:] + 1 + j, kv_len)
+        return torch.stack(drafts), (torch.stack(qs) if qs else None)
 
     # ------------------------------------------------------------------ the verbs
     @torch.no_grad()
@@ -208,34 +218,12 @@ class StaticDrafterRunner:
         kv_len = self._bucket(start + m + k)
         tok = tokens.to(self.device)
         aux = aux.to(self.device)
+        drafts = self._graphed(tok, aux, start, k, kv_len) if self.use_graphs and temperature == 0 else None
         q = None
-        if temperature > 0:
-            drafts, q = self._sample_chain(tok, aux, start, k, kv_len, temperature, gen)
-        else:
-            drafts = self._graphed(tok, aux, start, k, kv_len) if self.use_graphs else None
-            if drafts is None:
-                drafts = self._chain(tok, aux, torch.tensor(start, device=self.device), k, kv_len)
+        if drafts is None:
+            drafts, q = self._chain(tok, aux, torch.tensor(start, device=self.device), k, kv_len, temperature, gen)
         self.length = start + m
         return drafts, q
-
-    def _sample_chain(self, tok, aux, start, k, kv_len, temperature, gen):
-        """As _chain, sampling each draft from softmax(logits / T) (eager: the generator's state)."""
-        from .specdec import _sample
-
-        d = self.drafter
-        m = tok.shape[1]
-        pos = start + self.arange[:m]
-        h = self._layer(tok, d.fuse(aux), pos, kv_len)[:, -1:]
-        drafts, qs = [], []
-        for j in range(k):
-            qd = torch.softmax(d.compute_logits(h[0, -1]).float() / temperature, dim=-1)
-            t = d.draft_to_target(_sample(qd, gen))
-            drafts.append(t)
-            qs.append(qd)
-            if j == k - 1:
-                break
-            h = self._layer(t.view(1, 1), h, pos[-1:] + 1 + j, kv_len)
-        return torch.stack(drafts), torch.stack(qs)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _in_buffers(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -260,7 +248,7 @@ class StaticDrafterRunner:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._chain(tok, aux, pos0, k, kv_len)
+            out, _ = self._chain(tok, aux, pos0, k, kv_len)
         log.info("eval: captured a CUDA graph of the drafter chain (%d pending, k=%d, kv length %d)", m, k, kv_len)
         return graph, out
 
@@ -280,7 +268,7 @@ class StaticDrafterRunner:
             graph.replay()
             drafts = out.clone()
             if first:
-                ref = self._chain(t_in, a_in, p_in, k, kv_len)
+                ref, _ = self._chain(t_in, a_in, p_in, k, kv_len)
                 if not torch.equal(ref, drafts):
                     raise SpecopsError("the replayed drafter graph's drafts differ from the eager chain")
                 self._graphs[key] = entry

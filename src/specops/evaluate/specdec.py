@@ -428,8 +428,7 @@ def speculative_generate(runner: TargetRunner, drafter: Eagle3Drafter, prompt: S
     dr.reset(n + max_new_tokens + k + 1)
     ddev = drafter.d2t.device
     if n >= 2:
-        with torch.no_grad():
-            dr.prefill(ids[:, 1:], drafter.fuse(aux[None, : n - 1].to(ddev)))
+        dr.prefill(ids[:, 1:], drafter.fuse(aux[None, : n - 1].to(ddev)))
     _sync(dev)
     res.drafter_prefill_s = time.perf_counter() - t1
     generated = [int(last)]
