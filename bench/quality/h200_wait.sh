@@ -23,6 +23,7 @@ done
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 (cd "$W" && tar -cJf "$out/results.tar.xz" results $(ls -d eval-*/eval 2>/dev/null) \
    campaign/manifest.json campaign/drafter/metrics.jsonl campaign/build/manifest.json campaign/eval \
+   $(ls lr-sweep/*/drafter/metrics.jsonl 2>/dev/null) \
    $(ls anchor/run/*.json 2>/dev/null) 2>/dev/null)
 if [ -n "${QUALITY_FETCH_RECORDS:-}" ] && ls "$W"/campaign/generate/*/records.jsonl >/dev/null 2>&1; then
   (cd "$W/campaign" && tar -cf - generate/*/records.jsonl | xz -T8 -6 > "$out/records.tar.xz")
@@ -31,8 +32,9 @@ fi
 # under the 16 MiB per-file limit; $OUT holds 8 files)
 for who in ${QUALITY_FETCH_DRAFTER:-}; do
   case $who in
-    ours|1) [ -d "$W/campaign/drafter/export/vllm" ] && \
-      (cd "$W/campaign/drafter/export" && tar -cf - vllm | split -b 16000000 -d - "$out/drafter-ours.tar.part") ;;
+    ours|1) d="$W/ours-drafter"  # run.py's lr sweep winner (a link to its export dir), else the main export
+      [ -d "$d/vllm" ] || d="$W/campaign/drafter/export"
+      [ -d "$d/vllm" ] && (cd -P "$d" && tar -cf - vllm | split -b 16000000 -d - "$out/drafter-ours.tar.part") ;;
     anchor) [ -d "$W/anchor/eval_drafter" ] && \
       (cd "$W/anchor" && tar -cf - eval_drafter | split -b 16000000 -d - "$out/drafter-anchor.tar.part") ;;
   esac

@@ -7,6 +7,9 @@ Phases (each idempotent: a rerun skips what is done, `specops run` resumes insid
     ours     `specops run` on the generated campaign config up to export: generate with the local
              engine over ShareGPT first turns + BFCL prompts, build, extract (bf16 features), train
              (K=7), export.
+    lr-sweep one more drafter per lr in the scale's lr_sweep on the same build + features (its own
+             campaign dir, lr-sweep/lr-<lr>/); the winner by val simulated tau -> DIR/ours-drafter,
+             the drafter timing and eval use.
     anchor   the same build + features converted to the speculators layout, the speculators 0.9.0
              trainer run unmodified with the same epochs and learning rate, its checkpoint converted
              for our evaluator (bench/quality/speculators_*.py).
@@ -56,15 +59,17 @@ SCALES: dict[str, dict[str, Any]] = {
         # removed 732 duplicate ShareGPT answers (9,768 kept); this leaves >= 10K after dedupe.
         sharegpt=7800, bfcl=None, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
         max_model_len=2048, draft_vocab=32000, epochs=1, lr=5e-4, warmup=50, batch_tokens=16384,
+        # our lr: chosen on the val split among lr and these (phase_lr_sweep: same build, features, schedule)
+        lr_sweep=(1e-3, 2e-3),
         # eval/checkpoint only at the end: a mid-run val pass or checkpoint would sit inside a metrics
         # window and count against our tokens/s (speculators' step times leave both out)
         log_every=20, eval_every=100000, checkpoint_every=100000, anchor_lr=1e-3, anchor_timeout_s=480,
         anchor_checkpoint_freq=0.5, anchor_warm=True,
-        # 8 eval workers share the GPU by time-slicing: session 4 measured ~1.5 s per turn for the
-        # whole group (eager drafter steps), so the full sets (880 turns per drafter) do not fit a
-        # lease next to training; 16 per set + Spec-Bench 48 (every 10th: all 13 categories).
-        eval_limit=16, spec_bench_limit=48,
-        eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=16,
+        # The full sets (MT-bench 80 x 2 turns, HumanEval 80, GSM8K 80, Spec-Bench 480; T=1 MT-bench 80):
+        # tau through the batched loop (eval.batch_size rows, evaluate/batched.py). 8 batch-1 workers
+        # sharing the GPU took ~1 s per turn (session 5), too slow for ~1,900 turns in a lease.
+        eval_limit=80, spec_bench_limit=480, eval_batch=128,
+        eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=80,
         timing_runners=("static",),
     ),
     # tau on the full sets (MT-bench 80 x 2 turns, HumanEval 80, GSM8K 80, Spec-Bench 480; T=1 on
@@ -74,7 +79,7 @@ SCALES: dict[str, dict[str, Any]] = {
         max_model_len=2048, draft_vocab=32000, epochs=1, lr=5e-4, warmup=50, batch_tokens=16384,
         log_every=20, eval_every=160, checkpoint_every=160, anchor_lr=1e-3, anchor_timeout_s=480,
         eval_limit=80, spec_bench_limit=480, eval_new_tokens=128, timing_limit=10, timing_new_tokens=256,
-        workers=8, t1_limit=80, timing_runners=("static",),
+        workers=8, t1_limit=80, timing_runners=("static",), eval_batch=128,
     ),
     # what fits the rest of a lease that lost its machine: a small drafter, timing + tau only
     "h200-mini": dict(
@@ -82,7 +87,7 @@ SCALES: dict[str, dict[str, Any]] = {
         max_model_len=2048, draft_vocab=32000, epochs=1, lr=5e-4, warmup=20, batch_tokens=16384,
         log_every=10, eval_every=1000, checkpoint_every=1000, anchor_lr=1e-3, anchor_timeout_s=480, anchor_warm=True, eval_limit=20,
         spec_bench_limit=40, eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=20,
-        timing_runners=("static",),
+        timing_runners=("static",), eval_batch=128,
     ),
     # tau of a drafter trained on the GPU, measured on this 2-core CPU (fp32): fewer prompts, 1 worker
     "cpu": dict(
@@ -95,9 +100,10 @@ SCALES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         sharegpt=6, bfcl=4, max_tokens=24, batch_size=8, concurrency=16, dtype="float32",
         max_model_len=1024, draft_vocab=2048, epochs=1, lr=5e-4, warmup=2, batch_tokens=2048,
+        lr_sweep=(1e-3,),
         log_every=2, eval_every=4, checkpoint_every=4, anchor_lr=1e-3, anchor_cpu=True, anchor_timeout_s=300, eval_limit=1, spec_bench_limit=2,
         anchor_warm=True, anchor_warm_samples=10, anchor_warm_max_len=256,
-        eval_new_tokens=12, timing_limit=1, timing_new_tokens=12, workers=2, t1_limit=1,
+        eval_new_tokens=12, timing_limit=1, timing_new_tokens=12, workers=2, t1_limit=1, eval_batch=2,
     ),
 }
 K = 7
@@ -238,6 +244,106 @@ def phase_ours(work: Path, cfg_path: Path, ours_drafter: Path | None = None) -> 
     write_result(work, "ours", {"done": True, "wall_s": dt, "phases": man["phases"],
                                 "drafter": str(ours_drafter) if ours_drafter else None,
                                 "train_metrics_tail": metrics[-6:], "val": [m for m in metrics if m.get("split") == "val"]})
+
+
+def ours_export(work: Path, ours_drafter: Path | None = None) -> Path:
+    """Our drafter for timing and eval: --ours-drafter, else the lr sweep's winner (work/ours-drafter
+    links to its export dir), else the main campaign's export."""
+    if ours_drafter:
+        return ours_drafter
+    winner = work / "ours-drafter" / "vllm"
+    return winner if winner.is_dir() else work / "campaign" / "drafter" / "export" / "vllm"
+
+
+def _lr_run(camp: Path, lr: float) -> dict[str, Any]:
+    """One trained + exported drafter of the sweep: its last val line (the end-of-run pass), the
+    simulated tau of its per-step val acc, the steady train rate (as the anchor's --measure reports
+    ours), and the train + export wall seconds from the campaign manifest."""
+    import datetime
+
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    from speculators_train import specops_rate  # the rate both trainers are measured by
+
+    from specops.evaluate.report import _simulated_tau
+
+    rows = [json.loads(x) for x in (camp / "drafter" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    vals = [r for r in rows if r.get("split") == "val"]
+    if not vals:
+        raise SystemExit(f"lr-sweep: no val line in {camp / 'drafter' / 'metrics.jsonl'} (no val split?)")
+    val = {k: vals[-1][k] for k in ("step", "loss", "step_loss", "acc", "tau", "positions") if k in vals[-1]}
+    rate = specops_rate(camp)
+    ph = json.loads((camp / "manifest.json").read_text())["phases"]
+    t = datetime.datetime.fromisoformat
+    export = camp / "drafter" / "export"
+    if not (export / "vllm" / "config.json").is_file():
+        raise SystemExit(f"lr-sweep: no vllm export under {export}")
+    return {"lr": lr, "campaign": str(camp), "val": val, "sim_tau": _simulated_tau(val["acc"]),
+            "train_tokens_per_s": rate.get("tokens_per_s"), "train_tokens_per_s_all": rate.get("tokens_per_s_all"),
+            "train_steps": rate.get("steps"), "train_elapsed_s": rate.get("elapsed_s"),
+            "wall_s": (t(ph["export"]["done_at"]) - t(ph["train"]["running_at"])).total_seconds(),
+            "export": str(export / "vllm"), "exports": sorted(p.name for p in export.iterdir() if p.is_dir())}
+
+
+def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_drafter: Path | None = None) -> None:
+    """Our learning rate, chosen on the validation split (never on the eval sets): one more drafter per
+    lr in s["lr_sweep"], trained and exported exactly as the main one (same build and features,
+    epochs, warmup, batch tokens, seed, K), each in its own campaign work/lr-sweep/lr-<lr>/ whose
+    build/ and features/ are links to the main campaign's (`specops run --from train --to export`).
+    The winner has the highest simulated tau of its end-of-run val acc (ties: the lower lr);
+    work/ours-drafter links to its export dir, which timing, eval and h200_wait.sh use. Resumable:
+    an lr with a result is not trained again. Must run before the anchor (its convert consumes the
+    features)."""
+    if ours_drafter:
+        log("lr-sweep: skipped (--ours-drafter: no drafter trained here)")
+        return
+    main = float(s["lr"])
+    extra = [lr for lr in dict.fromkeys(float(x) for x in s["lr_sweep"]) if lr != main]
+    prior = (read_result(work, "lr-sweep") or {}).get("runs", {})
+    runs: dict[str, Any] = {f"{main:g}": {**_lr_run(work / "campaign", main), "main": True}}
+    failed = []
+    camp_main = work / "campaign"
+    for lr in extra:
+        key = f"{lr:g}"
+        camp = work / "lr-sweep" / f"lr-{key}"
+        if (r := prior.get(key)) and r.get("sim_tau") is not None and Path(r["export"], "config.json").is_file():
+            log(f"lr-sweep: lr {key} done already")
+            runs[key] = r
+            continue
+        try:
+            if not any((camp_main / "features" / "train").glob("shard-*.safetensors")):
+                raise SystemExit(f"lr-sweep: no feature shards in {camp_main / 'features' / 'train'} "
+                                 "(the anchor's convert --consume deletes them): the sweep must run before it")
+            camp.mkdir(parents=True, exist_ok=True)
+            for sub in ("build", "features"):  # the same data, not a copy
+                if not (camp / sub).is_symlink():
+                    (camp / sub).symlink_to(os.path.relpath(camp_main / sub, camp), target_is_directory=True)
+            cfg = json.loads(json.dumps(base))
+            cfg["campaign"] = {"name": f"quality-lr-{key}", "dir": str(camp), "seed": base["campaign"]["seed"]}
+            cfg["train"]["lr"] = lr
+            cfg_path = work / "lr-sweep" / f"lr-{key}.toml"
+            cfg_path.write_text(dump_toml(cfg))
+            load_config(cfg_path)
+            dt = sh(specops("run", cfg_path, "--from", "train", "--to", "export"), work / "results" / f"lr-sweep-{key}.log")
+            runs[key] = {**_lr_run(camp, lr), "command_wall_s": dt}
+        except (SystemExit, Exception) as e:  # this lr failed: the others still count
+            log(f"lr-sweep: lr {key} FAILED: {str(e)[:1000]}")
+            runs[key] = {"lr": lr, "error": str(e)[-3000:]}
+            failed.append(key)
+    ok = [r for r in runs.values() if r.get("sim_tau") is not None]
+    best = min(ok, key=lambda r: (-round(r["sim_tau"], 9), r["lr"]))
+    link, tmp = work / "ours-drafter", work / ".ours-drafter.tmp"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(os.path.relpath(Path(best["export"]).parent, work), target_is_directory=True)
+    os.replace(tmp, link)
+    write_result(work, "lr-sweep", {
+        "done": not failed, "lrs": [main, *extra], "runs": runs, "failed": failed, "chosen_lr": best["lr"],
+        "chosen_sim_tau": best["sim_tau"], "ours_drafter": str(link / "vllm"), "winner_export": best["export"],
+        "chosen_by": "max simulated tau (1 + sum_k prod_{i<=k} acc_i) of the end-of-run val pass; ties -> lower lr"})
+    log(f"lr-sweep: chosen lr {best['lr']:g} (val sim tau " + ", ".join(
+        f"{k}: {r['sim_tau']:.4f}" for k, r in runs.items() if r.get("sim_tau") is not None) + f"); {link} -> {best['export']}")
+    if failed:
+        raise SystemExit(f"lr-sweep: lr {', '.join(failed)} failed; chosen among the rest: {best['lr']:g}")
 
 
 def _anchor_env() -> dict[str, str]:
@@ -395,22 +501,22 @@ def phase_eval(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path, 
             name = f"{who}-t{int(temp)}"
             if read_result(work, f"eval-{name}"):
                 continue
-            # tau only (the timing phase measures speed, alone): no target-only run per turn
-            ev = dict(datasets=sets, temperature=temp, max_new_tokens=s["eval_new_tokens"], workers=s["workers"],
-                      target_runner="auto", baseline=False)
+            # tau only (the timing phase measures speed, alone): no target-only run per turn; the
+            # batched loop when the scale has eval_batch > 1, else `workers` batch-1 processes
+            ev = dict(datasets=sets, temperature=temp, max_new_tokens=s["eval_new_tokens"], target_runner="auto",
+                      baseline=False, **_eval_parallelism(s))
             ev["limit_per_dataset"] = limit or max(s["eval_limit"], s["spec_bench_limit"])
-            cfg = eval_config(base, work, name, drafters[who], **ev)
-            jobs.append((name, cfg))
+            jobs.append((name, drafters[who], ev))
     # Spec-Bench runs all its prompts; the other sets their first eval_limit (limit is per set, so
     # the T=0 run caps the others by trimming its prompt files instead).
-    def run_jobs(todo: list[tuple[str, Path]]) -> None:
-        for name, cfg in todo:
+    def run_jobs(todo: list[tuple[str, Path, dict[str, Any]]]) -> None:
+        for name, drafter, ev in todo:
             logf = work / "results" / f"eval-{name}.log"
             try:
-                dt = sh(specops("eval", cfg), logf, ok=(0, 1))
-            except SystemExit:  # the static runner is new on GPUs: fall back to the eager HF runner once
-                cfg.write_text(cfg.read_text().replace('target_runner = "auto"', 'target_runner = "hf"'))
-                dt = sh(specops("eval", cfg), logf, ok=(0, 1))
+                dt = sh(specops("eval", eval_config(base, work, name, drafter, **ev)), logf, ok=(0, 1))
+            except SystemExit:  # new code on a GPU: fall back once to the batch-1 loop on the HF runner
+                ev = {**ev, "target_runner": "hf", "batch_size": 1, "workers": s["workers"]}
+                dt = sh(specops("eval", eval_config(base, work, name, drafter, **ev)), logf, ok=(0, 1))
             write_result(work, f"eval-{name}", {"wall_s": dt, "summary": _summary(work / f"eval-{name}")})
 
     # tau does not depend on timing, so the drafters are evaluated side by side (one thread each,
@@ -420,6 +526,13 @@ def phase_eval(work: Path, base: dict[str, Any], s: dict[str, Any], data: Path, 
     with concurrent.futures.ThreadPoolExecutor(max(1, len(groups))) as ex:
         for fut in [ex.submit(run_jobs, g) for g in groups]:
             fut.result()
+
+
+def _eval_parallelism(s: dict[str, Any]) -> dict[str, int]:
+    """tau evaluations: one batched loop of eval_batch rows, or `workers` batch-1 processes."""
+    if s.get("eval_batch", 1) > 1:
+        return {"batch_size": s["eval_batch"], "workers": 1}
+    return {"batch_size": 1, "workers": s["workers"]}
 
 
 def trim_eval_sets(data: Path, limit: int, spec_limit: int | None = None) -> None:
@@ -449,7 +562,7 @@ def trim_eval_sets(data: Path, limit: int, spec_limit: int | None = None) -> Non
 
 def phase_collect(work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"work": str(work)}
-    for name in ("env", "ours", "anchor", "anchor-error", "timing", "eval-ours-t0", "eval-anchor-t0", "eval-ours-t1", "eval-anchor-t1"):
+    for name in ("env", "ours", "lr-sweep", "lr-sweep-error", "anchor", "anchor-error", "timing", "eval-ours-t0", "eval-anchor-t0", "eval-ours-t1", "eval-anchor-t1"):
         out[name] = read_result(work, name)
     taus: dict[str, Any] = {}
     for temp in ("t0", "t1"):
@@ -485,7 +598,7 @@ def env_info(work: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["all", "ours", "anchor", "timing", "eval", "collect", "configs"])
+    ap.add_argument("phase", choices=["all", "ours", "lr-sweep", "anchor", "timing", "eval", "collect", "configs"])
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--scale", choices=sorted(SCALES), default="h200")
     ap.add_argument("--model", default="smollm2", help="target.model: 'smollm2', a .gguf or an HF dir")
@@ -504,7 +617,7 @@ def main() -> None:
                     help="override one entry of the scale (e.g. lr=1e-3, epochs=2, eval_limit=40); the value is "
                          "parsed as a Python literal, else kept as a string")
     args = ap.parse_args()
-    s = dict(SCALES[args.scale])
+    s = {"lr_sweep": (), **SCALES[args.scale]}
     for kv in args.set:
         key, sep, val = kv.partition("=")
         if not sep or key not in s:
@@ -541,11 +654,12 @@ def main() -> None:
     which = ["ours"] if args.skip_anchor else ["ours", "anchor"]
     steps = {
         "ours": lambda: phase_ours(work, cfg_path, args.ours_drafter),
+        "lr-sweep": lambda: phase_lr_sweep(work, base, s, args.ours_drafter),
         "anchor": lambda: phase_anchor(work, s, args.model),
-        "eval": lambda: phase_eval(work, base, s, data, which, args.ours_drafter, args.anchor_drafter),
-        "timing": lambda: phase_timing(work, base, s, data, args.ours_drafter),
+        "eval": lambda: phase_eval(work, base, s, data, which, ours_export(work, args.ours_drafter), args.anchor_drafter),
+        "timing": lambda: phase_timing(work, base, s, data, ours_export(work, args.ours_drafter)),
     }
-    wanted = {"all": list(steps), "ours": ["ours"], "timing": ["timing"], "anchor": ["anchor"],
+    wanted = {"all": list(steps), "ours": ["ours", "lr-sweep"], "lr-sweep": ["lr-sweep"], "timing": ["timing"], "anchor": ["anchor"],
               "eval": ["eval"], "collect": []}[args.phase]
     if args.skip_anchor:
         wanted = [w for w in wanted if w != "anchor"]

@@ -262,14 +262,31 @@ class EvalSection:
     # Processes evaluating conversations in parallel on the one device (each loads target + drafter);
     # > 1 is for small, overhead-bound targets: tau and acceptance are exact, speedup needs workers = 1.
     workers: int = 1
+    # Conversations decoded together in one batched speculative loop (evaluate/batched.py): tau and
+    # acceptance of a whole eval set at a fraction of the batch-1 time; no wall-clock speedup, so it
+    # needs baseline = false and workers = 1.
+    batch_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.datasets:
             raise ConfigError("eval.datasets: at least one dataset is required")
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int):
-            raise ConfigError(f"eval.workers: expected an integer, got {self.workers!r}")
+        for key in ("workers", "batch_size"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"eval.{key}: expected an integer, got {v!r}")
         if self.workers < 1:
             raise ConfigError(f"eval.workers: must be >= 1 (worker processes on the eval device), got {self.workers}")
+        if self.batch_size < 1:
+            raise ConfigError(f"eval.batch_size: must be >= 1 (conversations per batched loop), got {self.batch_size}")
+        if self.batch_size > 1:
+            if self.baseline:
+                raise ConfigError("eval.batch_size > 1 measures tau and acceptance only (no batch-1 wall clock): "
+                                  "set eval.baseline = false, or batch_size = 1 for the speedup")
+            if self.workers > 1:
+                raise ConfigError("eval.batch_size > 1 runs one batched loop in one process: set eval.workers = 1")
+            if self.target_runner == "hf":
+                raise ConfigError("eval.batch_size > 1 runs on the static-cache target (fast_target.py): "
+                                  "eval.target_runner must be 'auto' or 'static'")
         names: set[str] = set()
         for entry in self.datasets:
             name = parse_eval_dataset(entry)[0]

@@ -12,9 +12,10 @@ Two drafter runners share one interface, used by `specdec.speculative_generate`:
 
 `EagerDrafterRunner` (eval.drafter_runner = "eager") is the reference: the drafter's own forward
 with a growing K/V (specdec.DrafterCache). `StaticDrafterRunner` ("static") keeps K/V in one
-buffer [kv_heads, capacity, head_dim], capacity a power of two (grown, prefix copied). Every call
-attends over keys 0..bucket-1 (bucket: the next power of two >= the last position + 1, from 256)
-with keys past each query's position masked, so the shapes depend on (m, bucket) only. Draft
+buffer [rows, kv_heads, capacity, head_dim] (rows = 1; evaluate/batched.py: a sequence per row),
+capacity a power of two (grown, prefix copied). Every call attends over keys 0..bucket-1 (bucket:
+the next power of two >= the last position + 1, from 256) with keys past each query's position
+masked, so the shapes depend on (m, bucket) only. Draft
 positions past start+m-1 are written into the buffer and left there: every later call writes a
 position before any query reads it.
 
@@ -92,7 +93,8 @@ class StaticDrafterRunner:
 
     name = "static"
 
-    def __init__(self, drafter: Eagle3Drafter, *, cuda_graphs: bool | None = None, min_capacity: int = 512):
+    def __init__(self, drafter: Eagle3Drafter, *, cuda_graphs: bool | None = None, min_capacity: int = 512,
+                 rows: int = 1):
         self.drafter = d = drafter
         cfg = d.config
         self.device = d.d2t.device
@@ -100,6 +102,8 @@ class StaticDrafterRunner:
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.rep = self.nh // self.nkv
         self.min_capacity = int(min_capacity)
+        self.rows = int(rows)  # sequences the cache holds (evaluate/batched.py: > 1, no graphs)
+        self.row_ids = torch.arange(self.rows, device=self.device)
         self.capacity = 0
         self.length = 0
         self.k_cache: torch.Tensor | None = None
@@ -116,16 +120,19 @@ class StaticDrafterRunner:
         return self.length
 
     # ------------------------------------------------------------------ the cache
-    def _ensure_capacity(self, needed: int) -> None:
+    def _ensure_capacity(self, needed: int, keep: int | None = None) -> None:
+        """At least `needed` positions per row; the first `keep` (default: the held length) are
+        copied into a grown buffer."""
         if needed <= self.capacity:
             return
         cap = _pow2_at_least(needed, max(self.min_capacity, self.capacity, 1))
+        keep = self.length if keep is None else keep
         with torch.inference_mode(False), torch.no_grad():
-            k = torch.zeros(self.nkv, cap, self.hd, device=self.device, dtype=self.dtype)
+            k = torch.zeros(self.rows, self.nkv, cap, self.hd, device=self.device, dtype=self.dtype)
             v = torch.zeros_like(k)
-            if self.length:
-                k[:, :self.length].copy_(self.k_cache[:, :self.length])
-                v[:, :self.length].copy_(self.v_cache[:, :self.length])
+            if keep:
+                k[:, :, :keep].copy_(self.k_cache[:, :, :keep])
+                v[:, :, :keep].copy_(self.v_cache[:, :, :keep])
             self.arange = torch.arange(cap, device=self.device)
         self.k_cache, self.v_cache, self.capacity = k, v, cap
         self._graphs.clear()  # captured against the old buffers; their pool goes with them
@@ -139,38 +146,46 @@ class StaticDrafterRunner:
         return min(_pow2_at_least(needed, MIN_BUCKET), self.capacity)
 
     # ------------------------------------------------------------------ the math
-    def _layer(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """One drafter step for ids [1, T] / hidden [1, T, H] at positions pos [T]: K/V written at pos,
-        attention over keys 0..kv_len-1 (each query sees keys <= its position) -> pre-norm h [1, T, H].
-        Graph-capturable: shapes depend on (T, kv_len) only, no host syncs."""
+    def _layer(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, kv_len: int,
+               rows: slice | None = None) -> torch.Tensor:
+        """One drafter step for ids [B, T] / hidden [B, T, H] at positions pos [B, T] (row b at its own
+        positions; B = every row of the cache, or those `rows` selects): K/V written at pos, attention
+        over keys 0..kv_len-1 (each query sees keys <= its position) -> pre-norm h [B, T, H].
+        Graph-capturable: shapes depend on (B, T, kv_len) only, no host syncs."""
         d = self.drafter
         ml, at = d.midlayer, d.midlayer.self_attn
-        T = ids.shape[1]
-        cos, sin = d.rope(pos[None])  # [1, T, hd] fp32
+        B, T = ids.shape
+        cos, sin = d.rope(pos)  # [B, T, hd] fp32
         e = ml.input_layernorm(d.embed_tokens(ids))
         g = ml.hidden_norm(hidden)
         residual = g if ml.norm_before_residual else hidden
         x = torch.cat([e.to(g.dtype), g], dim=-1)
-        q = at.q_proj(x).view(1, T, self.nh, self.hd).transpose(1, 2)
-        k = at.k_proj(x).view(1, T, self.nkv, self.hd).transpose(1, 2)
-        v = at.v_proj(x).view(1, T, self.nkv, self.hd).transpose(1, 2)
+        q = at.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = at.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = at.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         cos, sin = cos.to(q.dtype)[:, None], sin.to(q.dtype)[:, None]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        self.k_cache.index_copy_(1, pos, k[0])
-        self.v_cache.index_copy_(1, pos, v[0])
-        keys = self.k_cache[None, :, :kv_len]
-        vals = self.v_cache[None, :, :kv_len]
+        kc = self.k_cache if rows is None else self.k_cache[rows]  # [B, KV, M, hd]
+        vc = self.v_cache if rows is None else self.v_cache[rows]
+        if B == 1:  # the batch-1 runner (CUDA graphs): an index_copy_ along the positions
+            kc[0].index_copy_(1, pos[0], k[0])
+            vc[0].index_copy_(1, pos[0], v[0])
+        else:
+            bi = self.row_ids[:B, None].expand(B, T)
+            kc[bi, :, pos] = k.transpose(1, 2)  # [B, T, KV, hd] at (row, position)
+            vc[bi, :, pos] = v.transpose(1, 2)
+        keys, vals = kc[:, :, :kv_len], vc[:, :, :kv_len]
         if self.rep > 1:
             keys = keys.repeat_interleave(self.rep, dim=1)
             vals = vals.repeat_interleave(self.rep, dim=1)
-        mask = (self.arange[:kv_len][None, :] <= pos[:, None])[None, None]  # [1, 1, T, kv_len]
+        mask = (self.arange[:kv_len][None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, kv_len]
         if q.is_cuda:
             with sdpa_kernel(_MASKED_BACKENDS):
                 o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
         else:
             o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
-        h = residual + at.o_proj(o.transpose(1, 2).reshape(1, T, self.nh * self.hd))
+        h = residual + at.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
         return h + ml.mlp(ml.post_attention_layernorm(h))
 
     def _chain(self, tok: torch.Tensor, aux: torch.Tensor, pos0: torch.Tensor, k: int, kv_len: int,
@@ -184,7 +199,7 @@ class StaticDrafterRunner:
 
         d = self.drafter
         m = tok.shape[1]
-        pos = pos0 + self.arange[:m]
+        pos = (pos0 + self.arange[:m])[None]  # [1, m]
         h = self._layer(tok, d.fuse(aux), pos, kv_len)[:, -1:]
         drafts, qs = [], []
         for j in range(k):
@@ -197,7 +212,7 @@ class StaticDrafterRunner:
             drafts.append(t)
             if j == k - 1:
                 break
-            h = self._layer(t.view(1, 1), h, pos[-1:] + 1 + j, kv_len)
+            h = self._layer(t.view(1, 1), h, pos[:, -1:] + 1 + j, kv_len)
         return torch.stack(drafts), (torch.stack(qs) if qs else None)
 
     # ------------------------------------------------------------------ the verbs
@@ -205,7 +220,7 @@ class StaticDrafterRunner:
     def prefill(self, ids: torch.Tensor, fused: torch.Tensor) -> None:
         n = ids.shape[1]
         self._ensure_capacity(n)
-        self._layer(ids.to(self.device), fused.to(self.device), self.arange[:n], self._bucket(n))
+        self._layer(ids.to(self.device), fused.to(self.device), self.arange[:n][None], self._bucket(n))
         self.length = n
 
     @torch.no_grad()

@@ -4,7 +4,8 @@
 built from the local engine's fast-path pieces (generate/local.py: the HF model's own embeddings,
 norms, q/k/v/o projections, q/k norms, MLPs, lm_head and rotary table, our attention around them):
 
-    cache       one preallocated K/V pair per runner, [layers, kv_heads, capacity, head_dim], in
+    cache       one preallocated K/V pair per runner, [layers, rows, kv_heads, capacity, head_dim] (rows = 1
+                here; evaluate/batched.py holds one sequence per row), in
                 the model dtype. capacity: a power of two >= max(new_cache's max_len, min_capacity),
                 grown (reallocated, the valid prefix copied) when a forward needs more. A cache
                 handle is its length; crop(cache, n) sets the length (rollback is free). new_cache
@@ -89,7 +90,7 @@ class StaticTargetRunner:
     name = "static"
 
     def __init__(self, target: Any, aux_layer_ids: Sequence[int], *, cuda_graphs: bool | None = None,
-                 min_capacity: int = 512):
+                 min_capacity: int = 512, rows: int = 1):
         problem = static_runner_problem(target)
         if problem is not None:
             raise ConfigError(f"the static target runner does not support this model: {problem}")
@@ -117,6 +118,10 @@ class StaticTargetRunner:
         self.n_rep = self.n_heads // self.n_kv
         self.hidden = target.hidden_size
         self.min_capacity = int(min_capacity)
+        self.rows = int(rows)  # sequences the cache holds (evaluate/batched.py: > 1, no graphs)
+        if self.rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        self.row_ids = torch.arange(self.rows, device=self.device)
         self.capacity = 0
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -132,19 +137,22 @@ class StaticTargetRunner:
             self._probe()
 
     # ------------------------------------------------------------------ the cache
-    def _ensure_capacity(self, needed: int) -> None:
+    def _ensure_capacity(self, needed: int, keep: int | None = None) -> None:
+        """At least `needed` positions per row; the first `keep` (default: the live cache's length)
+        are copied into a grown buffer."""
         if needed <= self.capacity:
             return
         cap = _pow2_at_least(needed, max(self.min_capacity, self.capacity, 1))
-        keep = self._live.length if self._live is not None else 0
-        shape = (len(self.layers), self.n_kv, cap, self.head_dim)
+        if keep is None:
+            keep = self._live.length if self._live is not None else 0
+        shape = (len(self.layers), self.rows, self.n_kv, cap, self.head_dim)
         # Plain tensors even when called under inference_mode: they are written in place later.
         with torch.inference_mode(False), torch.no_grad():
             k = torch.zeros(shape, device=self.device, dtype=self.dtype)
             v = torch.zeros(shape, device=self.device, dtype=self.dtype)
             if keep:
-                k[:, :, :keep].copy_(self.k_cache[:, :, :keep])
-                v[:, :, :keep].copy_(self.v_cache[:, :, :keep])
+                k[..., :keep, :].copy_(self.k_cache[..., :keep, :])
+                v[..., :keep, :].copy_(self.v_cache[..., :keep, :])
             pos = torch.arange(cap, device=self.device)[None]
             cos, sin = self.rotary(torch.zeros(1, device=self.device, dtype=self.dtype), position_ids=pos)
             self.cos, self.sin = cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
@@ -195,87 +203,99 @@ class StaticTargetRunner:
             out = self._graphed(tok, start, T, aux)
         if out is None:
             pos = torch.arange(start, start + T, device=self.device)
-            logits, buf = self._impl(tok, pos, T, start + T, aux=aux, last_only=last_only, causal=start == 0)
-            out = (logits.float(), buf)
+            logits, buf = self._impl(tok[None], pos[None], start + T, aux=aux, last_only=last_only, causal=start == 0)
+            out = (logits[0].float(), buf[0] if buf is not None else None)
         cache.length = start + T
         logits, buf = out
         if last_only and logits.shape[0] > 1:
             logits = logits[-1:]
         return logits, buf
 
-    def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:  # [KV, S, D] -> [1, heads, S, D]
+    def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:  # [B, KV, S, D] -> [B, heads, S, D]
         if self.n_rep == 1:
-            return x[None]
-        h, s, d = x.shape
-        return x[:, None].expand(h, self.n_rep, s, d).reshape(1, h * self.n_rep, s, d)
+            return x
+        b, h, s, d = x.shape
+        return x[:, :, None].expand(b, h, self.n_rep, s, d).reshape(b, h * self.n_rep, s, d)
 
-    def _impl(self, tok: torch.Tensor, pos: torch.Tensor, T: int, kv_len: int, *, aux: bool, last_only: bool,
-              causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward over tok [T] at pos [T] against keys 0..kv_len-1 (those past pos masked).
-        causal: pos = 0..T-1 and kv_len = T (the plain causal mask is exact). Graph-capturable:
-        shapes depend on (T, kv_len) only, no host syncs."""
-        nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
-        cos = self.cos.index_select(0, pos)[None, None]  # [1, 1, T, D]
-        sin = self.sin.index_select(0, pos)[None, None]
+    def _impl(self, tok: torch.Tensor, pos: torch.Tensor, kv_len: int, *, aux: bool, last_only: bool,
+              causal: bool, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward over tok [B, T] at pos [B, T] (row b's tokens at its own positions) against
+        keys 0..kv_len-1 of each row (those past a query's position masked) -> (logits [B, T, V]
+        ([B, 1, V] with last_only) in the model dtype, aux [B, T, n_aux, H] or None). B is every
+        row of the cache, or the rows that `rows` (a slice) selects. causal: pos = 0..T-1 and
+        kv_len = T (the plain causal mask is exact). Graph-capturable: shapes depend on
+        (B, T, kv_len) only, no host syncs."""
+        nh, nkv, D, rep = self.n_heads, self.n_kv, self.head_dim, self.n_rep
+        B, T = tok.shape
+        K = self.k_cache if rows is None else self.k_cache[:, rows]  # [L, B, KV, M, D]
+        V = self.v_cache if rows is None else self.v_cache[:, rows]
+        cos = self.cos[pos][:, None]  # [B, 1, T, D]
+        sin = self.sin[pos][:, None]
         fold = T <= FOLD_MAX_TOKENS
-        ar = self.arange[:kv_len][None, :]
-        valid = ar <= pos[:, None]  # [T, kv_len]: query t sees keys 0..pos_t
+        ar = self.arange[:kv_len][None, None, :]
+        valid = ar <= pos[:, :, None]  # [B, T, kv_len]: query t sees keys 0..pos_t
         masks: dict[int | None, torch.Tensor] = {None: valid}
         for w in self.windows:
-            masks[w] = valid & (ar > pos[:, None] - w)
+            masks[w] = valid & (ar > pos[:, :, None] - w)
         if fold:  # query rows ordered (head in group, t), as the folded queries below
-            masks = {w: m.repeat(self.n_rep, 1) for w, m in masks.items()}
+            masks = {w: m.repeat(1, rep, 1) for w, m in masks.items()}
+        masks = {w: m[:, None] for w, m in masks.items()}  # [B, 1, rows, kv_len]
+        bi = self.row_ids[:B, None].expand(B, T)
         buf = None
         if aux:
-            buf = torch.empty(T, len(self.aux_layer_ids), self.hidden, device=self.device, dtype=self.dtype)
-        h = self.embed(tok[None])  # [1, T, H]
+            buf = torch.empty(B, T, len(self.aux_layer_ids), self.hidden, device=self.device, dtype=self.dtype)
+        h = self.embed(tok)  # [B, T, H]
         for li, ly in enumerate(self.layers):
             if aux:
                 for j in self._aux_at.get(li, ()):
-                    buf[:, j].copy_(h[0])
+                    buf[:, :, j].copy_(h)
             x = ly.ln1(h)
-            q = ly.q(x).view(1, T, nh, D)
-            k = ly.k(x).view(1, T, nkv, D)
-            v = ly.v(x).view(1, T, nkv, D)
+            q = ly.q(x).view(B, T, nh, D)
+            k = ly.k(x).view(B, T, nkv, D)
+            v = ly.v(x).view(B, T, nkv, D)
             if ly.q_norm is not None:
                 q = ly.q_norm(q)
             if ly.k_norm is not None:
                 k = ly.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, D]
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            kc, vc = self.k_cache[li], self.v_cache[li]  # [KV, M, D]
-            kc.index_copy_(1, pos, k[0])
-            vc.index_copy_(1, pos, v[0])
-            if fold:  # head h = kv * n_rep + r (HF's repeat_kv order) -> [1, KV, n_rep * T, D]
-                qg = q.reshape(1, nkv, self.n_rep * T, D)
-                o = F.scaled_dot_product_attention(qg, kc[None, :, :kv_len], vc[None, :, :kv_len],
-                                                   attn_mask=masks[ly.window], scale=ly.scaling)
-                o = o.reshape(1, nh, T, D)
+            kc, vc = K[li], V[li]  # [B, KV, M, D]
+            if B == 1:  # the batch-1 runner (CUDA graphs): an index_copy_ along the positions
+                kc[0].index_copy_(1, pos[0], k[0])
+                vc[0].index_copy_(1, pos[0], v[0])
             else:
-                kr, vr = self._repeat_kv(kc[:, :kv_len]), self._repeat_kv(vc[:, :kv_len])
+                kc[bi, :, pos] = k.transpose(1, 2)  # [B, T, KV, D] at (row, position)
+                vc[bi, :, pos] = v.transpose(1, 2)
+            if fold:  # head h = kv * n_rep + r (HF's repeat_kv order) -> [B, KV, n_rep * T, D]
+                qg = q.reshape(B, nkv, rep * T, D)
+                o = F.scaled_dot_product_attention(qg, kc[:, :, :kv_len], vc[:, :, :kv_len],
+                                                   attn_mask=masks[ly.window], scale=ly.scaling)
+                o = o.reshape(B, nh, T, D)
+            else:
+                kr, vr = self._repeat_kv(kc[:, :, :kv_len]), self._repeat_kv(vc[:, :, :kv_len])
                 if causal and ly.window is None:
                     o = F.scaled_dot_product_attention(q, kr, vr, is_causal=True, scale=ly.scaling)
                 else:
                     o = F.scaled_dot_product_attention(q, kr, vr, attn_mask=masks[ly.window], scale=ly.scaling)
-            h = h + ly.o(o.transpose(1, 2).reshape(1, T, nh * D))
+            h = h + ly.o(o.transpose(1, 2).reshape(B, T, nh * D))
             h = h + ly.mlp(ly.ln2(h))
         if aux:
             for j in self._aux_at.get(len(self.layers), ()):
-                buf[:, j].copy_(h[0])
+                buf[:, :, j].copy_(h)
         if last_only:
             h = h[:, -1:]
-        return self.lm_head(self.norm(h))[0], buf
+        return self.lm_head(self.norm(h)), buf
 
     # ------------------------------------------------------------------ CUDA graphs
     def _bucket(self, needed: int) -> int:
         return min(_pow2_at_least(needed, MIN_BUCKET), self.capacity)
 
     def _in_buffers(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Static inputs of the graphs for T tokens: (token ids [T], positions [T])."""
+        """Static inputs of the graphs for T tokens: (token ids [1, T], positions [1, T])."""
         if T not in self._inputs:
             with torch.inference_mode(False):
-                self._inputs[T] = (torch.zeros(T, dtype=torch.long, device=self.device),
-                                   torch.zeros(T, dtype=torch.long, device=self.device))
+                self._inputs[T] = (torch.zeros(1, T, dtype=torch.long, device=self.device),
+                                   torch.zeros(1, T, dtype=torch.long, device=self.device))
         return self._inputs[T]
 
     def _capture(self, T: int, kv_len: int, aux: bool) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
@@ -287,13 +307,13 @@ class StaticTargetRunner:
         side.wait_stream(cur)
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._impl(tok, pos, T, kv_len, aux=aux, last_only=False, causal=False)
+                self._impl(tok, pos, kv_len, aux=aux, last_only=False, causal=False)
         cur.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, buf = self._impl(tok, pos, T, kv_len, aux=aux, last_only=False, causal=False)
+            logits, buf = self._impl(tok, pos, kv_len, aux=aux, last_only=False, causal=False)
         log.info("eval: captured a CUDA graph for %d token(s), kv length %d%s", T, kv_len, ", aux" if aux else "")
         return graph, logits, buf
 
@@ -304,17 +324,18 @@ class StaticTargetRunner:
         key = (T, kv_len, aux)
         try:
             t_in, p_in = self._in_buffers(T)
-            t_in.copy_(tok)
-            torch.add(self.arange[:T], start, out=p_in)
+            t_in[0].copy_(tok)
+            torch.add(self.arange[:T], start, out=p_in[0])
             entry = self._graphs.get(key)
             first = entry is None
             if first:
                 entry = self._capture(T, kv_len, aux)
             graph, logits, buf = entry
             graph.replay()
-            out = (logits.to(torch.float32, copy=True), buf.clone() if buf is not None else None)
+            out = (logits[0].to(torch.float32, copy=True), buf[0].clone() if buf is not None else None)
             if first:
-                ref_l, ref_b = self._impl(t_in, p_in, T, kv_len, aux=aux, last_only=False, causal=False)
+                ref_l, ref_b = self._impl(t_in, p_in, kv_len, aux=aux, last_only=False, causal=False)
+                ref_l, ref_b = ref_l[0], (ref_b[0] if ref_b is not None else None)
                 same = _close(out[0], ref_l, self.dtype) and (ref_b is None or _close(out[1], ref_b, self.dtype))
                 if not same:
                     raise SpecopsError("the replayed graph's output differs from the eager forward")

@@ -834,7 +834,7 @@ def _work_items(evals: list[DatasetSection], sources: dict[str, Any], seen: dict
 class _Evaluator:
     """One process's models (target, tokenizer, drafter) and the per-conversation loop."""
 
-    def __init__(self, cfg: Config, dpath: Path, target: Any = None):
+    def __init__(self, cfg: Config, dpath: Path, target: Any = None, *, runners: bool = True):
         from transformers import AutoTokenizer
 
         from ..extract import load_target
@@ -847,21 +847,26 @@ class _Evaluator:
         self.device = torch.device(target.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.target.tokenizer or target.model_dir))
         self.drafter = load_eval_drafter(dpath, target, self.device)
+        self.eos = _eos_ids(target.model, self.tokenizer)
+        self.template_kwargs = dict((cfg.generate.extra_body or {}).get("chat_template_kwargs") or {})
+        if not runners:  # the batched loop (evaluate/batched.py) builds its own
+            return
         from .fast_target import make_target_runner
 
         self.runner = make_target_runner(target, self.drafter.config.aux_layer_ids, ec.target_runner)
         from .fast_drafter import make_drafter_runner
 
         self.drunner = make_drafter_runner(self.drafter, ec.drafter_runner)
-        self.eos = _eos_ids(target.model, self.tokenizer)
-        self.template_kwargs = dict((cfg.generate.extra_body or {}).get("chat_template_kwargs") or {})
 
     def info(self) -> dict[str, Any]:
         from .fast_target import runner_info
 
-        return {"target": str(self.target.model_dir), "aux_layer_ids": self.drafter.config.aux_layer_ids,
-                "device": str(self.device), "dtype": str(self.target.dtype).removeprefix("torch."),
-                **runner_info(self.runner), "drafter_runner": self.drunner.name,
+        out = {"target": str(self.target.model_dir), "aux_layer_ids": self.drafter.config.aux_layer_ids,
+               "device": str(self.device), "dtype": str(self.target.dtype).removeprefix("torch.")}
+        if not hasattr(self, "runner"):  # the batched loop's
+            return {**out, "target_runner": "batched", "cuda_graphs": False, "drafter_runner": "batched",
+                    "drafter_cuda_graphs": False}
+        return {**out, **runner_info(self.runner), "drafter_runner": self.drunner.name,
                 "drafter_cuda_graphs": bool(self.drunner.use_graphs)}
 
     def _gen(self, index: int, turn: int, stream: str) -> torch.Generator:
@@ -900,6 +905,47 @@ class _Evaluator:
         return rows, time.perf_counter() - t0
 
 
+    def run_batched(self, items: list[dict[str, Any]]) -> tuple[list[tuple[list[dict[str, Any]], float]], dict[str, Any]]:
+        """Every turn of every conversation through one batched loop (eval.batch_size rows,
+        evaluate/batched.py) -> ([(rows, seconds from admission to its last turn)] in items' order,
+        the loop's aggregate figures)."""
+        from .batched import BatchedLoop, run_batched
+
+        ec, tok, eos, kwargs = self.ec, self.tokenizer, self.eos, self.template_kwargs
+        gen = self._gen(-1, 0, "batched") if ec.temperature > 0 else None
+        loop = BatchedLoop(self.target, self.drafter, rows=min(ec.batch_size, max(1, len(items))), k=ec.k,
+                           max_new_tokens=ec.max_new_tokens, temperature=ec.temperature, eos_ids=eos, gen=gen)
+        out: dict[int, tuple[list[dict[str, Any]], float]] = {}
+
+        class Conv:
+            def __init__(self, item: dict[str, Any]):
+                self.item, self.turns, self.rows = item, _turns(item["messages"]), []
+                self.t0 = time.perf_counter()
+
+            def next_prompt(self) -> list[int] | None:
+                nxt = next(self.turns, None)
+                if nxt is None:
+                    out[self.item["index"]] = (self.rows, time.perf_counter() - self.t0)
+                    return None
+                self.history, self.turn = nxt
+                self.ids = _prompt_ids(tok, self.history, kwargs)
+                return self.ids
+
+        def on_turn(conv: Conv, t: Any) -> list[int] | None:
+            res = SpecResult(prompt_tokens=t.prompt_tokens, k=ec.k, tokens=[], finish_reason="length",
+                             accepted=t.accepted)
+            res.tokens, res.finish_reason = _finish(t.generated, ec.max_new_tokens, eos)
+            answer = tok.decode([x for x in res.tokens if x not in eos], skip_special_tokens=True)
+            conv.history.append({"role": "assistant", "content": answer})
+            conv.rows.append({"id": conv.item["id"], "turn": conv.turn, "prompt_tokens": len(conv.ids),
+                              "answer": answer, "spec": res.to_json(), "baseline": None, "identical": None})
+            _log_rows(conv.rows[-1:])
+            return conv.next_prompt()
+
+        figures = run_batched(loop, (Conv(it) for it in items), lambda c: c.next_prompt(), on_turn)
+        return [out[it["index"]] for it in items], figures
+
+
 def _log_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         sj, bj = r["spec"], r["baseline"]
@@ -922,7 +968,12 @@ def _run(cfg: Config, evals: list[DatasetSection], sources: dict[str, Any], seen
     items, quarantined = _work_items(evals, sources, seen)
     k, T = ec.k, ec.temperature
     workers = min(ec.workers, len(items))  # never a worker without a conversation
-    if workers == 1:
+    batched = None
+    if ec.batch_size > 1:
+        ev = _Evaluator(cfg, dpath, target, runners=False)
+        info = ev.info()
+        results, batched = ev.run_batched(items)
+    elif workers == 1:
         ev = _Evaluator(cfg, dpath, target)
         info = ev.info()
         ev.warm_up()
@@ -937,6 +988,10 @@ def _run(cfg: Config, evals: list[DatasetSection], sources: dict[str, Any], seen
     na = SPEEDUP_UNAVAILABLE if workers > 1 else None
     if not ec.baseline:
         na = NO_BASELINE
+    if batched is not None:
+        from .batched import BATCHED_NA
+
+        na = BATCHED_NA
 
     per_ds: dict[str, Any] = {}
     per_rows: dict[str, list[dict[str, Any]]] = {ds.name: [] for ds in evals}
@@ -984,6 +1039,8 @@ def _run(cfg: Config, evals: list[DatasetSection], sources: dict[str, Any], seen
         "drafter_runner": info.get("drafter_runner"),
         "drafter_cuda_graphs": info.get("drafter_cuda_graphs"),
         "speedup_unavailable": na,
+        "batch_size": ec.batch_size,
+        "batched": batched,
         "datasets": per_ds,
         "overall": overall,
         "baseline_tokens_per_s_line": ec.baseline_tokens_per_s,
