@@ -54,6 +54,7 @@ echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 #           attention, and with the compiled loss too (SPECOPS_TTT_DENSE, SPECOPS_COMPILE_LOSS)
 #   drafter-step: eval's drafter runners (eager, static, static + CUDA graph), bench/drafter_step.py
 #   train-prof: a torch.profiler table of a SmolLM2-shaped training run (host and device time)
+#   eval-batched: tau evaluation, the batch-1 loop vs the batched loop (bench/eval_batched.py)
 benches=${QUALITY_BENCHES-local-engine extract train}
 if [ -n "$benches" ]; then
   # 64 GB of disk; done with once the anchor has its result (a failed anchor keeps them, so that a
@@ -84,6 +85,11 @@ if [ -n "$benches" ]; then
   case " $benches " in *" train-prof "*)  # where a SmolLM2-shaped step spends host and device time
     python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 128 --steps 8 \
       --profile "$W/results/train-prof.txt" --out "$W/results/bench-train-prof.json" > "$W/results/bench-train-prof.log" 2>&1 ;; esac
+  case " $benches " in *" eval-batched "*)  # tau evaluation: the batch-1 loop vs the batched loop, same prompts
+    hf=$(dirname "$(ls /root/cache/models/*/config.json | head -1)")
+    d=$W/ours-drafter/vllm; [ -f "$d/config.json" ] || d=$W/campaign/drafter/export/vllm
+    SPECOPS_DATA_DIR=$W/data/eval python3 bench/eval_batched.py --model "$hf" $( [ -f "$d/config.json" ] && echo --drafter "$d" ) \
+      --prompts 256 --rows 128 --batch1-prompts 16 --out "$W/results/bench-eval-batched.json" > "$W/results/bench-eval-batched.log" 2>&1 ;; esac
   case " $benches " in *" train "*)
     python3 bench/train_gpu.py --seqs 48 --steps 10 --out "$W/results/bench-train.json" > "$W/results/bench-train.log" 2>&1 ;; esac
 fi
