@@ -21,7 +21,7 @@ from specops.evaluate.fast_drafter import StaticDrafterRunner
 from specops.evaluate.fast_target import StaticTargetRunner
 from specops.evaluate.specdec import accept, speculative_generate
 
-from test_fast_target import debug_drafter, greedy_reference, load, make_target, rand_ids
+from test_fast_target import chat_target_and_drafter, debug_drafter, greedy_reference, load, make_target, rand_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -176,23 +176,12 @@ def test_config_batch_size():
 def test_run_eval_batched_rows_equal_batch1(tmp_path):
     """MT-bench's two turns (turn 2 sees the model's own turn 1) through run_eval: batch_size 2 gives
     the rows, tokens and acceptance of batch_size 1, and says why there is no speedup."""
-    from transformers import AutoTokenizer
-
     from specops.campaign import Campaign
     from specops.config import load_config
-    from specops.drafter.export import export_vllm
-    from specops.drafter.model import DrafterConfig, Eagle3Drafter
     from specops.evaluate.batched import BATCHED_NA
     from specops.evaluate.specdec import run_eval
-    from specops.models import resolve_model_dir
 
-    model = make_target(tmp_path / "chat", vocab=49152, seed=4)
-    AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2"))).save_pretrained(model)
-    torch.manual_seed(0)
-    hf = json.loads((model / "config.json").read_text())
-    d = Eagle3Drafter(DrafterConfig.from_target(hf, 32000))
-    export = export_vllm(d.state_dict(), d.config.to_dict(), tmp_path / "vllm", target_config=hf,
-                         aux_layer_ids=d.config.aux_layer_ids, target_name_or_path=str(model))
+    model, export = chat_target_and_drafter(tmp_path)
     rows = {}
     for bs in (1, 2):
         toml = tmp_path / f"c{bs}.toml"

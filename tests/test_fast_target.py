@@ -268,13 +268,11 @@ def test_config_field():
         config_from_dict({**base, "eval": {"target_runner": "fast"}})
 
 
-def test_run_eval_static_runner_recorded_and_lossless(tmp_path):
+def chat_target_and_drafter(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny target with SmolLM2's vocab and chat template, and a random drafter export for it."""
     from transformers import AutoTokenizer
 
-    from specops.campaign import Campaign
-    from specops.config import load_config
     from specops.drafter.export import export_vllm
-    from specops.evaluate.specdec import run_eval
     from specops.models import resolve_model_dir
 
     model = make_target(tmp_path / "chat", vocab=49152, seed=4)
@@ -284,6 +282,15 @@ def test_run_eval_static_runner_recorded_and_lossless(tmp_path):
     d = Eagle3Drafter(DrafterConfig.from_target(hf, 32000))
     export = export_vllm(d.state_dict(), d.config.to_dict(), tmp_path / "vllm", target_config=hf,
                          aux_layer_ids=d.config.aux_layer_ids, target_name_or_path=str(model))
+    return model, export
+
+
+def test_run_eval_static_runner_recorded_and_lossless(tmp_path):
+    from specops.campaign import Campaign
+    from specops.config import load_config
+    from specops.evaluate.specdec import run_eval
+
+    model, export = chat_target_and_drafter(tmp_path)
     toml = tmp_path / "c.toml"
     toml.write_text(f"""
 [campaign]

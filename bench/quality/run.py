@@ -244,9 +244,10 @@ def phase_ours(work: Path, cfg_path: Path, ours_drafter: Path | None = None) -> 
         # Session 5's trainer changes (block-0 TTT attention, compiled loss) ran on CPUs only before
         # this lease: if training fails, resume once with the earlier forms (generate, build and
         # extract are done and skipped) and say so in the result.
-        man = json.loads((work / "campaign" / "manifest.json").read_text()) if (work / "campaign" / "manifest.json").is_file() else {}
-        ph = man.get("phases", {})
-        if ours_drafter or (ph.get("extract") or {}).get("state") != "done" or (ph.get("train") or {}).get("state") == "done":
+        mpath = work / "campaign" / "manifest.json"
+        ph = json.loads(mpath.read_text()).get("phases", {}) if mpath.is_file() else {}
+        state = lambda name: (ph.get(name) or {}).get("state")  # noqa: E731
+        if ours_drafter or state("extract") != "done" or state("train") == "done":
             raise
         log(f"ours: training failed ({str(e)[-400:]}); resuming with SPECOPS_TTT_DENSE=1 SPECOPS_COMPILE_LOSS=0")
         write_result(work, "ours-train-fallback", {"error": str(e)[-3000:]})

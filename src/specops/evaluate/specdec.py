@@ -905,7 +905,8 @@ class _Evaluator:
         return rows, time.perf_counter() - t0
 
 
-    def run_batched(self, items: list[dict[str, Any]]) -> tuple[list[tuple[list[dict[str, Any]], float]], dict[str, Any]]:
+    def run_batched(self, items: list[dict[str, Any]]
+                    ) -> tuple[list[tuple[list[dict[str, Any]], float]], dict[str, Any]]:
         """Every turn of every conversation through one batched loop (eval.batch_size rows,
         evaluate/batched.py) -> ([(rows, seconds from admission to its last turn)] in items' order,
         the loop's aggregate figures)."""
