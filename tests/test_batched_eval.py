@@ -230,3 +230,15 @@ def test_batched_on_cuda_equals_the_graphed_batch1_loop(tmp_path):
     for i, conv in enumerate(convs):
         ref = speculative_generate(st, d, conv[0], k=3, max_new_tokens=40, drafter_runner=sd)
         assert got[i][0][1][:40] == ref.tokens and got[i][0][2] == ref.accepted, i
+
+
+def test_cli_override_sets_a_tau_only_batch():
+    from specops.evaluate.specdec import with_workers
+
+    cfg = config_from_dict({"datasets": [{"name": "a", "source": "spec_bench"}], "eval": {"workers": 4}})
+    assert cfg.eval.baseline and cfg.eval.workers == 4
+    b = with_workers(cfg, None, 32)
+    assert (b.eval.batch_size, b.eval.baseline, b.eval.workers) == (32, False, 1)
+    assert with_workers(cfg, None, None) is cfg and with_workers(cfg, 2).eval.workers == 2
+    with pytest.raises(ConfigError, match="set eval.workers = 1"):
+        with_workers(cfg, 3, 32).eval  # noqa: B018 - an explicit --workers 3 with a batch is refused

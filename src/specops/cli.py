@@ -286,8 +286,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .config import load_config
 
     cfg = load_config(args.campaign) if args.campaign.endswith(".toml") else load_config(camp.config_path)
-    summary = run_eval(cfg if args.workers is None else with_workers(cfg, args.workers), camp,
-                       drafter_dir=args.drafter)
+    summary = run_eval(with_workers(cfg, args.workers, args.batch_size), camp, drafter_dir=args.drafter)
     md, html = write_report(camp)
     print(json.dumps(summary.get("overall", summary), indent=1, default=str))
     print(f"report: {html}")
@@ -371,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--workers", type=int, metavar="N",
                     help="N processes share the prompts on the one device (overrides eval.workers; "
                          "tau and acceptance are exact, the speedup needs 1)")
+    ev.add_argument("--batch-size", type=int, metavar="B",
+                    help="B conversations per batched loop (overrides eval.batch_size; > 1: tau and acceptance "
+                         "only, baseline off, one worker)")
     ev.set_defaults(func=_cmd_eval)
 
     pf = sub.add_parser("preflight", help="can I start? every GPU, disk vs forecast, RAM, model files, ports")

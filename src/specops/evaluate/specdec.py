@@ -1246,11 +1246,19 @@ def _run_workers(cfg: Config, dpath: Path, items: list[dict[str, Any]], workers:
             signal.signal(signal.SIGTERM, old)
 
 
-def with_workers(cfg: Config, workers: int | None) -> Config:
-    """cfg with eval.workers overridden (validated as in campaign.toml); None: unchanged."""
+def with_workers(cfg: Config, workers: int | None, batch_size: int | None = None) -> Config:
+    """cfg with eval.workers and/or eval.batch_size overridden (validated as in campaign.toml); None:
+    unchanged. A batch size > 1 is tau only: it also sets baseline = false and (unless `workers` is
+    given: then > 1 is refused) workers = 1."""
     import dataclasses
 
-    return cfg if workers is None else dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, workers=workers))
+    ev = cfg.eval
+    if workers is not None:
+        ev = dataclasses.replace(ev, workers=workers)
+    if batch_size is not None:
+        extra = {"baseline": False, **({"workers": 1} if workers is None else {})} if batch_size > 1 else {}
+        ev = dataclasses.replace(ev, batch_size=batch_size, **extra)
+    return cfg if ev is cfg.eval else dataclasses.replace(cfg, eval=ev)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1261,13 +1269,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter", help="an export dir or training checkpoint (default: eval.drafter, else the latest)")
     ap.add_argument("--no-report", action="store_true", help="skip eval/report.md and report.html")
     ap.add_argument("--workers", type=int, help="worker processes on the device (overrides eval.workers)")
+    ap.add_argument("--batch-size", type=int, help="conversations per batched loop (overrides eval.batch_size; "
+                    "> 1: tau only, baseline off, one worker)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         camp = Campaign(args.campaign)
         if not camp.config_path.is_file():
             raise InputError(f"{camp.config_path}: not found (is {camp.root} a campaign directory?)")
-        cfg = with_workers(load_config(camp.config_path), args.workers)
+        cfg = with_workers(load_config(camp.config_path), args.workers, args.batch_size)
         summary = run_eval(cfg, camp, drafter_dir=args.drafter)
         if not args.no_report:
             from .report import write_report
