@@ -183,3 +183,31 @@ def test_drafter_step_bench_runs_and_checks_drafts(tmp_path):
     res = json.loads(out.read_text())
     assert res["same_drafts_as_eager"] == {"eager": True, "static": True}
     assert res["ms_per_draft_token"]["eager"] > 0 and res["ms_per_draft_token"]["static"] > 0
+
+
+def test_greedy_chain_makes_no_host_sync():
+    """The chain a CUDA graph captures must not read a device value on the host: no `.item()`
+    (aten._local_scalar_dense) anywhere in it. Session 6's H200 run found one (d2t indexed with a
+    0-d tensor is a select on a Python int), which made every capture fail and fall back to eager."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    d = debug_drafter(96)
+    r = StaticDrafterRunner(d)
+    r.reset(64)
+    r.prefill(torch.randint(0, 96, (1, 9)), d.fuse(torch.randn(1, 9, 3, d.config.target_hidden_size)))
+    tok, aux, pos0 = r._in_buffers(3)
+    tok.copy_(torch.randint(0, 96, (1, 3)))
+    aux.copy_(torch.randn_like(aux))
+    pos0.fill_(9)
+    with torch.no_grad(), Record() as rec:
+        r._chain(tok, aux, pos0, 5, r._bucket(9 + 3 + 5))
+    assert not [op for op in rec.ops if "_local_scalar_dense" in op or "aten.item" in op], sorted(rec.ops)

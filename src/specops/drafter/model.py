@@ -445,7 +445,9 @@ class Eagle3Drafter(nn.Module):
         self.t2d[ids.to(self.t2d.device)] = True
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
+        # index_select, not d2t[draft_ids]: a 0-d index would be a select on a Python int (a host
+        # sync, which also breaks CUDA-graph capture of the eval loop's drafter chain)
+        return draft_ids + self.d2t.index_select(0, draft_ids.reshape(-1)).view(draft_ids.shape)
 
     @torch.no_grad()
     def init_from_target(
