@@ -9,8 +9,10 @@ tokens/s from drafter/metrics.jsonl (excluding the first logged window: warm-up)
                               [--steps 12] [--vary-len MIN] [--profile FILE]
 
 --shape smollm2: the SmolLM2-135M target (H 576, 30 layers, vocab 49152, 9/3 heads) whose real
-training ran host-bound on the H200 (GPU util < 20 %). --profile FILE: torch.profiler over the
-run (CPU + CUDA), the top ops by self CPU time and by device time written to FILE.
+training ran host-bound on the H200 (GPU util < 20 %). --profile FILE: torch.profiler (CPU + CUDA)
+over the optimizer steps after the first --profile-skip (default 3: the loss kernels' compile and
+the allocator's warm-up stay out) up to the last one (the final checkpoint stays out); the top
+ops by self CPU time and by device time written to FILE.
 --vary-len MIN: sample lengths drawn uniformly from MIN..seq-len (seeded), so batches change shape
 from step to step as real data does; run it twice, with SPECOPS_SDPA_CUDNN=1 and without, to
 measure what torch's cuDNN attention choice costs (drafter/model.py).
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--shape", choices=["8b", "smollm2"], default="8b")
     ap.add_argument("--profile", type=Path)
+    ap.add_argument("--profile-skip", type=int, default=3, metavar="N")
     ap.add_argument("--vary-len", type=int, metavar="MIN")
     a = ap.parse_args()
     shapes = {"tiny": (64, 8, 512, 128, 128, 4, 2), "8b": (4096, 32, 128256, 32000, 14336, 32, 8),
@@ -115,21 +118,31 @@ def main() -> None:
             "datasets": [{"name": "d", "path": str(work / "d.jsonl")}],
         })
         camp = Campaign.create_or_open(cfg)
-        prof = None
+        prof = hook = None
         if a.profile:
-            from torch.profiler import ProfilerActivity, profile
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+            from torch.profiler import ProfilerActivity, profile, schedule
 
+            skip = min(a.profile_skip, a.steps - 1)
+            active = a.steps - skip
+            if skip < 1 or active < 1:
+                raise SystemExit(f"--profile needs --steps > --profile-skip >= 1 (got {a.steps}, {a.profile_skip})")
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            prof = profile(activities=acts)
+            # steps 1..skip-1 wait, step skip warms the profiler up, steps skip+1..steps are recorded:
+            # prof.step() runs after each optimizer step, so the recording ends with the last one
+            prof = profile(activities=acts, schedule=schedule(wait=skip - 1, warmup=1, active=active, repeat=1))
             prof.__enter__()
+            hook = register_optimizer_step_post_hook(lambda *_: prof.step())
         t0 = time.perf_counter()
         run_train(cfg, camp, max_steps=a.steps)
         wall = time.perf_counter() - t0
         if prof is not None:
+            hook.remove()
             prof.__exit__(None, None, None)
             ka = prof.key_averages()
             dev_key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-            a.profile.write_text(f"wall {wall:.2f} s for {a.steps} steps\n\n== by self CPU time\n"
+            a.profile.write_text(f"wall {wall:.2f} s for {a.steps} steps; recorded: steps {skip + 1}..{a.steps} "
+                                 f"({active} steps)\n\n== by self CPU time\n"
                                  + ka.table(sort_by="self_cpu_time_total", row_limit=40)
                                  + "\n\n== by self device time\n" + ka.table(sort_by=dev_key, row_limit=40))
         rows = [json.loads(x) for x in (camp_dir / "drafter" / "metrics.jsonl").read_text().splitlines()]
