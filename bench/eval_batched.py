@@ -11,7 +11,9 @@ loop runs all --prompts through --rows rows. Reported: generated tokens/s both w
 prefill included, synced), the ratio, tau both ways, and for the prompts both ran, the share whose
 tokens are identical (batched kernels round differently in bf16: a near-tie may flip).
 --drafter: an exported drafter; default a random one shaped from the target (tau ~1: the figures are
-then one draft round per token, the worst case for the batched loop).
+then one draft round per token, the worst case for the batched loop). --profile FILE: afterwards,
+torch.profiler over --profile-steps steps of a full batch (every row admitted, 3 steps of warm-up),
+the top ops by self CPU and by device time written to FILE.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--profile", type=Path)
+    ap.add_argument("--profile-steps", type=int, default=10)
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -134,6 +138,34 @@ def main() -> None:
     print(json.dumps(res, indent=1))
     if a.out:
         a.out.write_text(json.dumps(res, indent=1) + "\n")
+    if a.profile:
+        profile_steps(target, d, ps, a, eos, dev)
+
+
+def profile_steps(target, d, ps: list[list[int]], a: argparse.Namespace, eos, dev: torch.device) -> None:
+    """Where a step of a full batch spends host and device time (module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    loop = BatchedLoop(target, d, rows=min(a.rows, len(ps)), k=a.k, max_new_tokens=10 ** 6, temperature=0.0,
+                       eos_ids=frozenset(), gen=None)
+    for b in range(loop.B):
+        loop.admit(b, ps[b], b)
+    for _ in range(3):
+        loop.step()
+    sync(dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(a.profile_steps):
+            loop.step()
+        sync(dev)
+    wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    dev_key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    a.profile.write_text(f"{a.profile_steps} steps of {loop.B} rows: {wall / a.profile_steps * 1e3:.1f} ms per step "
+                         f"(profiled)\n\n== by self CPU time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=30)
+                         + "\n\n== by self device time\n" + ka.table(sort_by=dev_key, row_limit=30))
+    print(f"profile: {a.profile}")
 
 
 if __name__ == "__main__":

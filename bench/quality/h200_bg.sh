@@ -89,7 +89,8 @@ if [ -n "$benches" ]; then
     hf=$(dirname "$(ls /root/cache/models/*/config.json | head -1)")
     d=$W/ours-drafter/vllm; [ -f "$d/config.json" ] || d=$W/campaign/drafter/export/vllm
     SPECOPS_DATA_DIR=$W/data/eval python3 bench/eval_batched.py --model "$hf" $( [ -f "$d/config.json" ] && echo --drafter "$d" ) \
-      --prompts 256 --rows 128 --batch1-prompts 16 --out "$W/results/bench-eval-batched.json" > "$W/results/bench-eval-batched.log" 2>&1 ;; esac
+      --prompts 256 --rows 128 --batch1-prompts 16 --out "$W/results/bench-eval-batched.json" \
+      --profile "$W/results/eval-batched-prof.txt" > "$W/results/bench-eval-batched.log" 2>&1 ;; esac
   case " $benches " in *" train "*)
     python3 bench/train_gpu.py --seqs 48 --steps 10 --out "$W/results/bench-train.json" > "$W/results/bench-train.log" 2>&1 ;; esac
 fi
