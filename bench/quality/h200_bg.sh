@@ -87,7 +87,7 @@ if [ -n "$benches" ]; then
       --profile "$W/results/train-prof.txt" --out "$W/results/bench-train-prof.json" > "$W/results/bench-train-prof.log" 2>&1 ;; esac
   case " $benches " in *" eval-batched "*)  # tau evaluation: the batch-1 loop vs the batched loop, same prompts
     hf=$(dirname "$(ls /root/cache/models/*/config.json | head -1)")
-    d=$W/ours-drafter/vllm; [ -f "$d/config.json" ] || d=$W/campaign/drafter/export/vllm
+    d=${QUALITY_DRAFTER:-$W/ours-drafter/vllm}; [ -f "$d/config.json" ] || d=$W/campaign/drafter/export/vllm
     SPECOPS_DATA_DIR=$W/data/eval python3 bench/eval_batched.py --model "$hf" $( [ -f "$d/config.json" ] && echo --drafter "$d" ) \
       --prompts 256 --rows 128 --batch1-prompts 16 --out "$W/results/bench-eval-batched.json" \
       --profile "$W/results/eval-batched-prof.txt" > "$W/results/bench-eval-batched.log" 2>&1 ;; esac
