@@ -45,6 +45,10 @@ conversation's index in the ordered list of all eval conversations (datasets in 
 and the stream (speculative or baseline): `prompt_seed`. Results never depend on what ran before
 in the process, so they are the same for any number of workers.
 
+Batched (eval.batch_size = B > 1, `specops eval --batch-size B`): tau and acceptance only, B
+conversations decoded together in one loop on shared static caches (evaluate/batched.py); each
+row's tokens and acceptance are this loop's, no wall-clock figures.
+
 Workers (eval.workers = N > 1, `specops eval --workers N`): the loop stays batch 1, and N processes
 (`python -m specops.evaluate.worker`, each loading the target and drafter on the same device) share
 the conversations: worker w takes w, w+N, w+2N, ... of the ordered list (a conversation's turns stay
@@ -903,7 +907,6 @@ class _Evaluator:
                          "spec": spec.to_json(), "baseline": base.to_json() if base is not None else None,
                          "identical": (spec.tokens == base.tokens) if T == 0 and base is not None else None})
         return rows, time.perf_counter() - t0
-
 
     def run_batched(self, items: list[dict[str, Any]]
                     ) -> tuple[list[tuple[list[dict[str, Any]], float]], dict[str, Any]]:
