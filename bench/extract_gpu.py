@@ -4,9 +4,12 @@ index) vs a bare forward with `output_hidden_states=True` over the same batches,
 Target: a random-weight Llama built from a config on the device (8B-shaped by default: hidden 4096,
 32 layers, 32 heads / 8 KV heads, intermediate 14336, vocab 128256), bf16. Data: synthetic build
 split of `--samples` sequences with lengths uniform in [--min-len, --max-len]. Reports tokens/s of
-both, the ratio, and bytes per token on disk for bf16 and fp8.
+both, the ratio, and bytes per token on disk for bf16 and fp8. Optional arms in the same run:
+`--tail-split N` (bf16 with smaller final shards; session 6: slower, 0.68 vs 0.72) and
+`--writeback-ab` (bf16 with extract's eager writeback flipped: by default a `sync_file_range` after
+each written range where >= 8 CPUs are usable, else page cache + the finalizer's fsync).
 
-    python bench/extract_gpu.py [--tiny] [--samples 160] [--out results.json]
+    python bench/extract_gpu.py [--tiny] [--samples 160] [--tail-split N] [--writeback-ab] [--out results.json]
 """
 
 from __future__ import annotations
@@ -91,8 +94,8 @@ def bare_forward(target: TargetModel, lens: list[int], budget: int, vocab: int) 
 
 
 def specops_extract(target: TargetModel, work: Path, lens: list[int], budget: int, dtype: str,
-                    shard_tokens: int, tail_split: int = 1) -> dict:
-    camp_dir = work / f"camp-{dtype}-{tail_split}"
+                    shard_tokens: int, tail_split: int = 1, tag: str = "") -> dict:
+    camp_dir = work / f"camp-{dtype}-{tail_split}{tag}"
     vocab = target.vocab_size
     write_build(camp_dir, lens, vocab)
     cfg = config_from_dict({
@@ -130,6 +133,8 @@ def main() -> None:
     ap.add_argument("--shard-tokens", type=int, default=1 << 16, help="default: extract.shard_tokens's")
     ap.add_argument("--tail-split", type=int, default=1,
                     help="> 1: also bf16 with extract.tail_split = N (smaller final shards), same run")
+    ap.add_argument("--writeback-ab", action="store_true",
+                    help="also bf16 with extract's eager writeback flipped (on where >= 8 CPUs), same run")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -144,6 +149,16 @@ def main() -> None:
         fp8 = specops_extract(target, work, lens, a.token_budget, "float8_e4m3fn", a.shard_tokens)
         tail = (specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, a.tail_split)
                 if a.tail_split > 1 else None)
+        flipped = None
+        if a.writeback_ab:  # sync_file_range after each write (the default on >= 8 CPUs) vs page cache + fsync
+            from specops import extract as ex
+
+            default = ex._EAGER_WRITEBACK
+            ex._EAGER_WRITEBACK = not default
+            try:
+                flipped = specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, tag="-wb")
+            finally:
+                ex._EAGER_WRITEBACK = default
         res = {
             "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
             "model": "tiny" if a.tiny else "llama-8B-shaped random (H4096, L32, V128256)",
@@ -160,6 +175,13 @@ def main() -> None:
             "shards": {k: {"shard_seconds": r["shard_seconds"], "finalize_seconds": r["finalize_seconds"]}
                        for k, r in (("bf16", bf16), ("fp8", fp8), ("bf16_tail", tail)) if r is not None},
         }
+        if flipped is not None:
+            res.update({"eager_writeback_default": default,
+                        "specops_bf16_writeback_flipped_tok_s": round(flipped["tokens_per_s"], 1),
+                        "ratio_bf16_writeback_flipped": round(flipped["tokens_per_s"] / base, 3),
+                        "seconds_bf16_writeback_flipped": round(flipped["seconds"], 3)})
+            res["shards"]["bf16_writeback_flipped"] = {"shard_seconds": flipped["shard_seconds"],
+                                                       "finalize_seconds": flipped["finalize_seconds"]}
         if tail is not None:
             res.update({"tail_split": a.tail_split, "specops_bf16_tail_tok_s": round(tail["tokens_per_s"], 1),
                         "ratio_bf16_tail": round(tail["tokens_per_s"] / base, 3),

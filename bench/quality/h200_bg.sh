@@ -66,7 +66,7 @@ if [ -n "$benches" ]; then
     python3 bench/local_engine_gpu.py --tokenizer "$hf" --model "$hf" --batch 256 --hf-batch 64 \
       --out "$W/results/bench-local-engine.json" > "$W/results/bench-local-engine.log" 2>&1 ;; esac
   case " $benches " in *" extract "*)
-    python3 bench/extract_gpu.py --tail-split 4 --out "$W/results/bench-extract.json" > "$W/results/bench-extract.log" 2>&1 ;; esac
+    python3 bench/extract_gpu.py --writeback-ab --out "$W/results/bench-extract.json" > "$W/results/bench-extract.log" 2>&1 ;; esac
   case " $benches " in *" train-ab "*)
     for keep in 0 1; do
       SPECOPS_SDPA_CUDNN=$keep python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 256 \
