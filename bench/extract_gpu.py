@@ -118,7 +118,11 @@ def specops_extract(target: TargetModel, work: Path, lens: list[int], budget: in
                    key=lambda d: d["g"])
     out = {"tokens_per_s": sum(lens) / dt, "seconds": dt, "bytes_per_token": tr.get("bytes_per_token"),
            "bytes": tr.get("bytes"), "padding_waste": tr.get("padding_waste"),
-           "shard_seconds": [d["seconds"] for d in sides], "finalize_seconds": [d["finalize_seconds"] for d in sides]}
+           "shard_seconds": [d["seconds"] for d in sides], "finalize_seconds": [d["finalize_seconds"] for d in sides],
+           # summed over shards: the main thread's waits for the writer, the writer's copy waits,
+           # pwrites and writeback hints, the finalizer's fsyncs and read-back hashes
+           "timings": {k: round(sum(d.get("timings", {}).get(k, 0.0) for d in sides), 3)
+                       for k in ("main_wait", "copy_wait", "pwrite", "writeback", "fsync", "hash")}}
     shutil.rmtree(camp_dir)
     return out
 
@@ -172,7 +176,8 @@ def main() -> None:
             "padding_waste": bf16["padding_waste"],
             "seconds": {"bare": round(sum(lens) / base, 3), "bf16": round(bf16["seconds"], 3),
                         "fp8": round(fp8["seconds"], 3)},
-            "shards": {k: {"shard_seconds": r["shard_seconds"], "finalize_seconds": r["finalize_seconds"]}
+            "shards": {k: {"shard_seconds": r["shard_seconds"], "finalize_seconds": r["finalize_seconds"],
+                           "timings": r["timings"]}
                        for k, r in (("bf16", bf16), ("fp8", fp8), ("bf16_tail", tail)) if r is not None},
         }
         if flipped is not None:
@@ -181,7 +186,8 @@ def main() -> None:
                         "ratio_bf16_writeback_flipped": round(flipped["tokens_per_s"] / base, 3),
                         "seconds_bf16_writeback_flipped": round(flipped["seconds"], 3)})
             res["shards"]["bf16_writeback_flipped"] = {"shard_seconds": flipped["shard_seconds"],
-                                                       "finalize_seconds": flipped["finalize_seconds"]}
+                                                       "finalize_seconds": flipped["finalize_seconds"],
+                                                       "timings": flipped["timings"]}
         if tail is not None:
             res.update({"tail_split": a.tail_split, "specops_bf16_tail_tok_s": round(tail["tokens_per_s"], 1),
                         "ratio_bf16_tail": round(tail["tokens_per_s"] / base, 3),

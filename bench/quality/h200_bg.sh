@@ -35,6 +35,8 @@ if [ -x "$spy" ]; then
       echo "=== $(date -u +%T) pid $pid"; timeout 30 "$spy" dump --pid "$pid" 2>&1 | head -80; n=$((n + 1))
     done ) >> "$W/results/anchor-pyspy.log" 2>&1 &
 fi
+# Phases that time on the GPU from the start (no generation first, e.g. "timing") wait for the tests.
+case "${QUALITY_PHASE:-all}" in all*|ours*) ;; *) [ -n "$tests_pid" ] && wait "$tests_pid" && tests_pid= ;; esac
 # QUALITY_PHASE: run.py phases in order (default "all"; e.g. "eval timing" for drafters trained earlier)
 rc=0
 for phase in ${QUALITY_PHASE:-all}; do

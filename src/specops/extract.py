@@ -442,6 +442,8 @@ class ShardWriter:
         self.path = path
         self.writeback = _EAGER_WRITEBACK and _sync_file_range is not None  # see `_EAGER_WRITEBACK`
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        # seconds the writer thread spent per part of the write path (the sidecar's "timings")
+        self.timings = {"copy_wait": 0.0, "pwrite": 0.0, "writeback": 0.0}
         _pwrite_all(self.fd, head, 0)
         os.ftruncate(self.fd, self.nbytes)
 
@@ -460,9 +462,13 @@ class ShardWriter:
         if t.numel() == 0:
             return
         start, nbytes = self.byte_range(name, row, len(t))
+        t0 = time.perf_counter()
         _pwrite_all(self.fd, t.contiguous().view(torch.uint8).numpy(), start)
+        t1 = time.perf_counter()
+        self.timings["pwrite"] += t1 - t0
         if self.writeback:
             self.writeback = self._start_writeback(start, nbytes)
+            self.timings["writeback"] += time.perf_counter() - t1
 
     def _start_writeback(self, start: int, nbytes: int) -> bool:
         """Ask the kernel to start writing bytes [start, start + nbytes) to disk; False: stop asking."""
@@ -688,6 +694,7 @@ class _ShardJob:
     t0: float
     writes: list[concurrent.futures.Future]
     padded: int = 0
+    wait: float = 0.0  # seconds the main thread waited for the writer (a free staging slot) on this shard
 
 
 class _Pipeline:
@@ -743,8 +750,10 @@ class _Pipeline:
     def write_batch(self, job: _ShardJob, rows: list[tuple[int, int, int]], feats: dict[str, torch.Tensor]) -> None:
         """Queue rows (b, row offset in the shard, n tokens) of batch features `feats` [B, T, ...]."""
         self.poll()
+        t0 = time.perf_counter()
         while len(self.writes) >= self.max_inflight:  # bound the batches in flight; frees a slot
             self._reclaim()
+        job.wait += time.perf_counter() - t0
         slot, event = None, None
         if self.slots is None:
             feats = {k: v.cpu() for k, v in feats.items()}  # CPU: no copy
@@ -854,7 +863,9 @@ def _write_rows(
     w: ShardWriter, rows: list[tuple[int, int, int]], feats: dict[str, torch.Tensor], event: Any
 ) -> None:
     if event is not None:
+        t0 = time.perf_counter()
         event.synchronize()  # the device->host copy of these features is complete
+        w.timings["copy_wait"] += time.perf_counter() - t0
     for b, row, n in rows:
         for key, t in feats.items():
             w.write(key, row, t[b, :n])
@@ -893,6 +904,12 @@ def _extract_shard(
     pipe.finish_shard(sp, job)
 
 
+def _timed(fn: Callable[..., Any], *args: Any) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
 def _finalize_shard(sp: _Split, job: _ShardJob) -> dict[str, Any]:
     """Finalizer thread: wait for the shard's writes, fsync + sha256, sidecar, THEN rename; returns the sidecar."""
     s, w, tmp = job.shard, job.writer, job.tmp
@@ -907,9 +924,10 @@ def _finalize_shard(sp: _Split, job: _ShardJob) -> dict[str, Any]:
         # regions: hashing in order as rows are written would have to hold most of the shard in
         # memory, so it is done here, once the shard is complete (off the main thread).
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-fsync") as ex:
-            synced = ex.submit(os.fsync, w.fd)
+            synced = ex.submit(_timed, os.fsync, w.fd)
             digest = sha256_file(tmp)
-            synced.result()
+            t_hash = time.perf_counter() - t1
+            t_fsync = synced.result()
         if hasattr(os, "posix_fadvise"):  # clean now: let the kernel drop the pages (a hint only)
             try:
                 os.posix_fadvise(w.fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -928,6 +946,10 @@ def _finalize_shard(sp: _Split, job: _ShardJob) -> dict[str, Any]:
         "sha256": digest,
         "seconds": round(seconds, 3),
         "finalize_seconds": round(time.perf_counter() - t1, 3),
+        # where the time went (diagnostics only, not part of the shard's identity): the main thread's
+        # waits for a staging slot, the writer thread's parts, the finalizer's fsync and read-back hash
+        "timings": {"main_wait": round(job.wait, 3), **{k: round(v, 3) for k, v in w.timings.items()},
+                    "fsync": round(t_fsync, 3), "hash": round(t_hash, 3)},
         "plan_key": sp.plan_key,
         "plan": sp.plan,
     }
