@@ -7,6 +7,7 @@ DESIGN format from its own `output_hidden_states` (no extract.py, no hub).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ from specops.drafter.train import (
     make_batches,
     run_train,
     simulated_tau,
+    linear_soft_ce,
     teacher_targets,
     soft_cross_entropy,
     ttt_forward,
@@ -405,6 +407,68 @@ def test_compiled_loss_equals_eager(monkeypatch):
         torch.testing.assert_close(ce, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
     assert len(kernels.compiled) == 2 and not kernels.failed
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_linear_soft_ce_equals_autograd_reference(monkeypatch, compiled):
+    """The fused lm_head + soft CE node (`linear_soft_ce`): loss, CE sum, argmax hits and the
+    gradients of h and W equal plain autograd on logits = h W^T, under an upstream gradient != 1
+    (eager, and torch.compile'd on the CPU as on CUDA), through varying row counts."""
+    import specops.drafter.train as train_mod
+
+    kernels = train_mod._LossKernels()
+    kernels.mode = "1" if compiled else "0"
+    monkeypatch.setattr(train_mod, "LOSS_KERNELS", kernels)
+    g = torch.Generator().manual_seed(0)
+    V, H = 300, 24
+    p_all = torch.softmax(3 * torch.randn(40, V, generator=g, dtype=torch.float64), -1)
+    for n in (17, 33, 0):
+        h = torch.randn(n, H, generator=g, dtype=torch.float64, requires_grad=True)
+        w = (0.5 * torch.randn(V, H, generator=g, dtype=torch.float64)).requires_grad_()
+        rows = torch.randint(0, 40, (n,), generator=g)
+        tgt = p_all[rows].argmax(-1)
+        scale, gout = 0.37, 2.5
+        loss, ce_sum, correct = linear_soft_ce(h, w, p_all, rows, tgt, scale)
+        gh, gw = torch.autograd.grad(loss * gout, (h, w))
+        logits = h @ w.T
+        ref_ce = -(p_all[rows] * torch.log_softmax(logits, -1)).sum()
+        rh, rw = torch.autograd.grad(ref_ce * scale * gout, (h, w))
+        torch.testing.assert_close(ce_sum, ref_ce.detach())
+        torch.testing.assert_close(loss, ref_ce.detach() * scale)
+        assert int(correct) == int((logits.argmax(-1) == tgt).sum())
+        torch.testing.assert_close(gh, rh)
+        torch.testing.assert_close(gw, rw)
+    assert not kernels.failed and (len(kernels.compiled) == 1) == compiled
+
+
+def test_ttt_forward_fused_loss_equals_separate(monkeypatch):
+    """The TTT unroll with the fused lm_head + CE (the default) gives the loss, per-step CE sums,
+    hits and every parameter gradient of the separate form (SPECOPS_FUSED_LOSS=0)."""
+    import specops.drafter.train as train_mod
+
+    torch.manual_seed(1)
+    drafter = Eagle3Drafter(DrafterConfig.debug()).double()
+    head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
+    teacher = Teacher(head, drafter.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=torch.float64)
+    batch, _ = _packed_batch(seed=3)
+    batch = dataclasses.replace(batch, aux=batch.aux.double(), final=batch.final.double())
+    targets = teacher_targets(teacher, batch)
+    outs, grads = [], []
+    for fused in (True, False):
+        monkeypatch.setattr(train_mod, "_FUSED_LOSS", fused)
+        drafter.zero_grad(set_to_none=True)
+        out = ttt_forward(drafter, batch, targets, steps=5, decay=0.8)
+        out.loss.backward()
+        outs.append(out)
+        grads.append({n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None})
+    # the separate form's CE runs in fp32 even on fp64 logits: fp32 tolerances
+    tol = dict(rtol=1e-5, atol=1e-6, check_dtype=False)
+    torch.testing.assert_close(outs[0].loss, outs[1].loss, **tol)
+    torch.testing.assert_close(outs[0].ce_sum, outs[1].ce_sum, **tol)
+    assert outs[0].correct.tolist() == outs[1].correct.tolist()
+    assert grads[0].keys() == grads[1].keys() and "lm_head.weight" in grads[0]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], msg=n, **tol)
 
 
 def test_compiled_loss_failure_falls_back_to_eager(monkeypatch, caplog):

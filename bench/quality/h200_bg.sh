@@ -55,6 +55,7 @@ echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 #   ttt-ab: the same, before session 5 (dense TTT attention, eager loss), with block 0 + probe
 #           attention, and with the compiled loss too (SPECOPS_TTT_DENSE, SPECOPS_COMPILE_LOSS)
 #   drafter-step: eval's drafter runners (eager, static, static + CUDA graph), bench/drafter_step.py
+#   loss-ab: SmolLM2-shaped training, the fused lm_head + soft CE (default) vs the separate form
 #   train-prof: a torch.profiler table of a SmolLM2-shaped training run (host and device time)
 #   eval-batched: tau evaluation, the batch-1 loop vs the batched loop (bench/eval_batched.py)
 benches=${QUALITY_BENCHES-local-engine extract train}
@@ -79,6 +80,11 @@ if [ -n "$benches" ]; then
       set -- $arm
       SPECOPS_TTT_DENSE=$1 SPECOPS_COMPILE_LOSS=$2 python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 \
         --vary-len 128 --seqs 256 --steps 16 --out "$W/results/bench-ttt-ab-$3.json" > "$W/results/bench-ttt-ab-$3.log" 2>&1
+    done ;; esac
+  case " $benches " in *" loss-ab "*)  # session 7: lm_head + soft CE as one node (SPECOPS_FUSED_LOSS=1, default) vs separate
+    for f in 0 1; do
+      SPECOPS_FUSED_LOSS=$f python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 256 \
+        --steps 16 --out "$W/results/bench-loss-ab-fused$f.json" > "$W/results/bench-loss-ab-fused$f.log" 2>&1
     done ;; esac
   case " $benches " in *" drafter-step "*)  # eval's drafter: eager vs static cache vs static + CUDA graph
     d=${QUALITY_DRAFTER:-$W/campaign/drafter/export/vllm}

@@ -55,11 +55,11 @@ SCALES: dict[str, dict[str, Any]] = {
         # dedupe (>= 10K). 2 epochs for both trainers (the same budget) and one extra lr: session 6
         # ran all of it, the anchor and both drafters' full-set evaluations included, in one
         # 30-minute lease (experiment 20 min) with lr 5e-4 and lr_sweep (1e-3,), and val chose 1e-3
-        # (simulated tau 1.962 vs 1.745); so the next run starts there and tries 2e-3.
+        # (simulated tau 1.962 vs 1.745); so the next run starts there and tries 2e-3 and 3e-3.
         sharegpt=7800, bfcl=None, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
         max_model_len=2048, draft_vocab=32000, epochs=2, lr=1e-3, warmup=50, batch_tokens=16384,
         # our lr: chosen on the val split among lr and these (phase_lr_sweep: same build, features, schedule)
-        lr_sweep=(2e-3,),
+        lr_sweep=(2e-3, 3e-3),
         # eval/checkpoint only at the end: a mid-run val pass or checkpoint would sit inside a metrics
         # window and count against our tokens/s (speculators' step times leave both out)
         log_every=20, eval_every=100000, checkpoint_every=100000, anchor_lr=1e-3, anchor_timeout_s=480,

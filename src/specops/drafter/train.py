@@ -58,6 +58,9 @@ log = logging.getLogger("specops.train")
 
 FEATURES_FORMAT = "specops-features-v1"
 _TTT_DENSE = os.environ.get("SPECOPS_TTT_DENSE", "0") == "1"
+# The lm_head + soft cross-entropy of each TTT step as one autograd node (`linear_soft_ce`); "0": the
+# earlier form (lm_head through autograd, then `soft_cross_entropy`), for A/B benchmarks.
+_FUSED_LOSS = os.environ.get("SPECOPS_FUSED_LOSS", "1") != "0"
 FeaturesFn = Callable[[list[torch.Tensor]], dict[str, Any]]
 
 
@@ -416,6 +419,20 @@ def _ce_backward(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, 
     return ((torch.softmax(logits.float(), dim=-1) - p_all[rows]) * grad[:, None]).to(logits.dtype)
 
 
+def _ce_fused(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, tgt: torch.Tensor):
+    """One pass over [n, Vd]: (sum of the rows' soft CE, d ce_i / d logits_i per row, #argmax hits).
+
+    ce_i = sum_v p_iv (lse_i - x_iv); d ce_i / d x_i = softmax(x_i) · sum_v p_iv - p_i, which is
+    softmax(x_i) - p_i as teacher rows are softmaxes (sum to 1). Math in fp32 (fp64 stays fp64)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    p = p_all[rows]
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    ce = (p * (lse - x)).sum()
+    grad = (torch.exp(x - lse) - p).to(logits.dtype)
+    correct = (x.argmax(-1) == tgt).sum()
+    return ce, grad, correct
+
+
 class _LossKernels:
     """The soft cross-entropy's forward and backward, eager or fused by torch.compile.
 
@@ -458,6 +475,9 @@ class _LossKernels:
                  ) -> torch.Tensor:
         return self._run(_ce_backward, logits, p_all, rows, grad)
 
+    def fused(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, tgt: torch.Tensor):
+        return self._run(_ce_fused, logits, p_all, rows, tgt)
+
 
 LOSS_KERNELS = _LossKernels()
 
@@ -486,6 +506,53 @@ class _SoftCrossEntropy(torch.autograd.Function):
 def soft_cross_entropy(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """logits [n, Vd]; p_all float32 [M, Vd] (rows sum to 1); rows int64 [n] -> ce float32 [n]."""
     return _SoftCrossEntropy.apply(logits, p_all, rows)
+
+
+class _LinearSoftCE(torch.autograd.Function):
+    """scale · sum_i CE(p_all[rows_i], softmax(h_i · W^T)) as one node; also the CE sum and argmax hits.
+
+    The separate form (lm_head through autograd, then `_SoftCrossEntropy`) moves each [n, Vd] logit
+    four times after the matmul writes it: the CE forward reads it with p, the backward reads both
+    again and writes the gradient, the accuracy's argmax reads it once more. Here one fused pass
+    (`_ce_fused`, compiled like `LOSS_KERNELS`' others) reads logits and p once and writes the logit
+    gradient, which the forward keeps instead of the logits. The backward is then only the two
+    matmuls; the loss's scale and the incoming gradient multiply their small outputs ([n, H], [Vd, H]),
+    never the [n, Vd] gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor,
+                tgt: torch.Tensor, scale: float):
+        dev = h.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+        hc, wc = h.to(dt), weight.to(dt)
+        with torch.autocast(dev, enabled=False):
+            logits = hc @ wc.T  # [n, Vd]
+            ce_sum, grad, correct = LOSS_KERNELS.fused(logits, p_all, rows, tgt)
+        del logits
+        ctx.save_for_backward(grad, hc, wc)
+        ctx.scale = scale
+        ctx.dtypes = (h.dtype, weight.dtype)
+        ctx.mark_non_differentiable(ce_sum, correct)
+        return ce_sum * scale, ce_sum, correct
+
+    @staticmethod
+    def backward(ctx, g_loss: torch.Tensor, _g_ce: Any, _g_correct: Any):
+        grad, hc, wc = ctx.saved_tensors
+        s = (g_loss.float() * ctx.scale).to(grad.dtype)
+        gh = gw = None
+        if ctx.needs_input_grad[0]:
+            gh = (grad @ wc).mul_(s).to(ctx.dtypes[0])
+        if ctx.needs_input_grad[1]:
+            gw = (grad.T @ hc).mul_(s).to(ctx.dtypes[1])
+        return gh, gw, None, None, None, None
+
+
+def linear_soft_ce(h: torch.Tensor, weight: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor,
+                   tgt: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [n, H] (normed drafter states), weight [Vd, H] (lm_head), p_all float32 [M, Vd], rows int64 [n],
+    tgt int64 [n] (teacher argmax per row) -> (scale · ce sum: differentiable, ce sum, argmax hits)."""
+    return _LinearSoftCE.apply(h, weight, p_all, rows, tgt, scale)
 
 
 class TTTOut(NamedTuple):
@@ -525,6 +592,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps
     slots_k = nz[:, 1].split(sizes)
     rows_k = row_src[nz[:, 0], nz[:, 1]].split(sizes)  # teacher after x_{t+1+k}
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
+    fused = _FUSED_LOSS and drafter.lm_head.bias is None
     loss = hidden.new_zeros((), dtype=torch.float32)
     ce_sums, corrects, all_logits = [], [], []
     for k in range(steps):
@@ -534,11 +602,19 @@ def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps
         past.append(out.kv)
         hidden = out.hidden  # [B, T, H], the next step's hidden input (gradient flows through)
         rows = rows_k[k]
-        logits = drafter.compute_logits(hidden.reshape(B * T, -1).index_select(0, slots_k[k]))  # [n_k, Vd]
-        ce = soft_cross_entropy(logits, targets.p, rows)  # [n_k] float32
-        loss = loss + (decay ** k) * ce.sum() / max(sizes[k], 1)
-        ce_sums.append(ce.detach().sum())
-        corrects.append((logits.detach().argmax(-1) == targets.argmax[rows]).sum())
+        sel = hidden.reshape(B * T, -1).index_select(0, slots_k[k])  # [n_k, H]
+        if fused:
+            part, ce_sum, correct = linear_soft_ce(drafter.norm(sel), drafter.lm_head.weight, targets.p, rows,
+                                                   targets.argmax[rows], (decay ** k) / max(sizes[k], 1))
+            loss = loss + part
+            ce_sums.append(ce_sum)
+            corrects.append(correct)
+        else:
+            logits = drafter.compute_logits(sel)  # [n_k, Vd]
+            ce = soft_cross_entropy(logits, targets.p, rows)  # [n_k] float32
+            loss = loss + (decay ** k) * ce.sum() / max(sizes[k], 1)
+            ce_sums.append(ce.detach().sum())
+            corrects.append((logits.detach().argmax(-1) == targets.argmax[rows]).sum())
         if return_logits:
             all_logits.append(drafter.compute_logits(hidden).float())
     return TTTOut(loss, torch.stack(ce_sums), torch.stack(corrects), n_per, all_logits if return_logits else None)
