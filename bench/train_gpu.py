@@ -157,6 +157,7 @@ def main() -> None:
             "ttt_attention": "dense" if os.environ.get("SPECOPS_TTT_DENSE", "0") == "1" else "block0+probe",
             "compile_loss": os.environ.get("SPECOPS_COMPILE_LOSS", "auto"),
             "fused_loss": os.environ.get("SPECOPS_FUSED_LOSS", "1") != "0",
+            "compile_layer": os.environ.get("SPECOPS_COMPILE_LAYER", "auto"),
             "tokens_per_s": round(sum(r["tokens_per_s"] for r in steady) / len(steady), 1),
             "wall_s": round(wall, 1),
             "peak_gpu_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1) if torch.cuda.is_available() else None,

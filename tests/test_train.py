@@ -471,6 +471,40 @@ def test_ttt_forward_fused_loss_equals_separate(monkeypatch):
         torch.testing.assert_close(grads[0][n], grads[1][n], msg=n, **tol)
 
 
+def test_compiled_layer_regions_equal_eager(monkeypatch):
+    """SPECOPS_COMPILE_LAYER=1 on the CPU (the CUDA default): the TTT unroll with the drafter layer's
+    two regions torch.compile'd gives the eager loss, hits and every parameter gradient, on two
+    batches of different shapes (dynamic shapes: no failure, no fallback)."""
+    import specops.drafter.model as model_mod
+
+    torch.manual_seed(1)
+    drafter = Eagle3Drafter(DrafterConfig.debug())
+    head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
+    teacher = Teacher(head, drafter.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=torch.float32)
+    full, _ = _packed_batch(seed=3)
+    one_row = dataclasses.replace(full, **{f.name: getattr(full, f.name)[:1] for f in dataclasses.fields(full)
+                                           if torch.is_tensor(getattr(full, f.name))}, n_tokens=12)
+    for batch in (full, one_row):  # [2, 12], then [1, 12]
+        targets = teacher_targets(teacher, batch)
+        res = []
+        for mode in ("0", "1"):
+            regions = model_mod._LayerRegions()
+            regions.mode = mode
+            monkeypatch.setattr(model_mod, "LAYER_REGIONS", regions)
+            drafter.zero_grad(set_to_none=True)
+            out = ttt_forward(drafter, batch, targets, steps=4, decay=0.8)
+            out.loss.backward()
+            res.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}))
+            assert not regions.failed and len(regions.compiled) == (2 if mode == "1" else 0)
+        (o0, g0), (o1, g1) = res
+        assert o0.count.sum() > 0
+        torch.testing.assert_close(o1.loss, o0.loss, rtol=1e-5, atol=1e-6)
+        assert o1.correct.tolist() == o0.correct.tolist()
+        assert g0.keys() == g1.keys() and "midlayer.mlp.up_proj.weight" in g0
+        for n in g0:
+            torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_compiled_loss_failure_falls_back_to_eager(monkeypatch, caplog):
     import specops.drafter.train as train_mod
 

@@ -55,7 +55,8 @@ echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 #   ttt-ab: the same, before session 5 (dense TTT attention, eager loss), with block 0 + probe
 #           attention, and with the compiled loss too (SPECOPS_TTT_DENSE, SPECOPS_COMPILE_LOSS)
 #   drafter-step: eval's drafter runners (eager, static, static + CUDA graph), bench/drafter_step.py
-#   loss-ab: SmolLM2-shaped training, the fused lm_head + soft CE (default) vs the separate form
+#   loss-ab: SmolLM2-shaped training before session 7, with the fused lm_head + soft CE, and with the
+#            drafter layer's compiled regions too (SPECOPS_FUSED_LOSS, SPECOPS_COMPILE_LAYER)
 #   train-prof: a torch.profiler table of a SmolLM2-shaped training run (host and device time)
 #   eval-batched: tau evaluation, the batch-1 loop vs the batched loop (bench/eval_batched.py)
 benches=${QUALITY_BENCHES-local-engine extract train}
@@ -81,10 +82,11 @@ if [ -n "$benches" ]; then
       SPECOPS_TTT_DENSE=$1 SPECOPS_COMPILE_LOSS=$2 python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 \
         --vary-len 128 --seqs 256 --steps 16 --out "$W/results/bench-ttt-ab-$3.json" > "$W/results/bench-ttt-ab-$3.log" 2>&1
     done ;; esac
-  case " $benches " in *" loss-ab "*)  # session 7: lm_head + soft CE as one node (SPECOPS_FUSED_LOSS=1, default) vs separate
-    for f in 0 1; do
-      SPECOPS_FUSED_LOSS=$f python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 256 \
-        --steps 16 --out "$W/results/bench-loss-ab-fused$f.json" > "$W/results/bench-loss-ab-fused$f.log" 2>&1
+  case " $benches " in *" loss-ab "*)  # session 7's trainer changes, one at a time (drafter/train.py, model.py)
+    for arm in "0 0 before" "1 0 fused-loss" "1 auto fused-loss+layer"; do
+      set -- $arm
+      SPECOPS_FUSED_LOSS=$1 SPECOPS_COMPILE_LAYER=$2 python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 \
+        --vary-len 128 --seqs 256 --steps 16 --out "$W/results/bench-loss-ab-$3.json" > "$W/results/bench-loss-ab-$3.log" 2>&1
     done ;; esac
   case " $benches " in *" drafter-step "*)  # eval's drafter: eager vs static cache vs static + CUDA graph
     d=${QUALITY_DRAFTER:-$W/campaign/drafter/export/vllm}

@@ -240,17 +240,21 @@ def phase_ours(work: Path, cfg_path: Path, ours_drafter: Path | None = None) -> 
     try:
         dt = sh(cmd, work / "results" / "ours.log")
     except SystemExit as e:
-        # Session 5's trainer changes (block-0 TTT attention, compiled loss) ran on CPUs only before
-        # this lease: if training fails, resume once with the earlier forms (generate, build and
-        # extract are done and skipped) and say so in the result.
+        # Trainer changes that ran on CPUs only before a lease (session 5: block-0 TTT attention,
+        # compiled loss; session 7: fused lm_head + loss, compiled layer regions): if training fails,
+        # resume once with the earlier forms (generate, build and extract are done and skipped) and
+        # say so in the result.
         mpath = work / "campaign" / "manifest.json"
         ph = json.loads(mpath.read_text()).get("phases", {}) if mpath.is_file() else {}
         state = lambda name: (ph.get(name) or {}).get("state")  # noqa: E731
         if ours_drafter or state("extract") != "done" or state("train") == "done":
             raise
-        log(f"ours: training failed ({str(e)[-400:]}); resuming with SPECOPS_TTT_DENSE=1 SPECOPS_COMPILE_LOSS=0")
+        log(f"ours: training failed ({str(e)[-400:]}); resuming with SPECOPS_TTT_DENSE=1 SPECOPS_COMPILE_LOSS=0 "
+            "SPECOPS_FUSED_LOSS=0 SPECOPS_COMPILE_LAYER=0")
         write_result(work, "ours-train-fallback", {"error": str(e)[-3000:]})
-        os.environ.update(SPECOPS_TTT_DENSE="1", SPECOPS_COMPILE_LOSS="0")  # the lr sweep trains the same way
+        # the forms before sessions 5 and 7; the lr sweep trains the same way
+        os.environ.update(SPECOPS_TTT_DENSE="1", SPECOPS_COMPILE_LOSS="0", SPECOPS_FUSED_LOSS="0",
+                          SPECOPS_COMPILE_LAYER="0")
         dt = sh(cmd, work / "results" / "ours.log")
     man = json.loads((work / "campaign" / "manifest.json").read_text())
     metrics_path = work / "campaign" / "drafter" / "metrics.jsonl"

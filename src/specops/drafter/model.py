@@ -45,6 +45,48 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 _MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 _KEEP_CUDNN = os.environ.get("SPECOPS_SDPA_CUDNN", "0") == "1"
 
+
+class _LayerRegions:
+    """The drafter layer's elementwise-heavy parts in training's unroll, fused by torch.compile.
+
+    A SmolLM2-sized training step on the H200 issued ~1,950 kernel launches and spent more host
+    time than device time (bench/results/h200-2026-12-03e/train-prof.txt): per TTT step the three
+    RMSNorms (fp32 statistics), RoPE, the concat, SiLU-gate and residual adds are each several small
+    kernels forward and more backward. Two regions around the attention core (`_mid_pre`: norms,
+    concat, q/k/v projections and RoPE; `_mid_post`: o_proj, residuals, the MLP) are compiled with
+    dynamic shapes (one compile per region, whatever the batch's B and T); the attention core stays
+    eager (its form changes with the step). SPECOPS_COMPILE_LAYER: "auto" (default: on CUDA), "1"
+    (also on CPU: tests), "0" (never). A compile or call that raises turns it off for the process
+    with a warning, and the eager form computes the step (same math).
+    """
+
+    def __init__(self) -> None:
+        self.mode = os.environ.get("SPECOPS_COMPILE_LAYER", "auto")
+        self.failed = False
+        self.compiled: dict[Any, Any] = {}
+
+    def use(self, t: torch.Tensor) -> bool:
+        if self.failed or self.mode == "0":
+            return False
+        return self.mode == "1" or t.device.type == "cuda"
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        try:
+            if fn not in self.compiled:
+                self.compiled[fn] = torch.compile(fn, dynamic=True)
+            return self.compiled[fn](*args)
+        except Exception as e:  # noqa: BLE001 - compiled or not, the math is the same
+            self.failed = True
+            import logging
+
+            logging.getLogger("specops.train").warning(
+                "train: the compiled drafter layer failed (%s: %s); the eager layer runs from now on",
+                type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return fn(*args)
+
+
+LAYER_REGIONS = _LayerRegions()
+
 # Parameter and buffer names of the drafter, exactly as DESIGN.md fixes them. A test asserts the
 # module's state_dict keys equal this tuple; export.py maps nothing (vLLM reads these names).
 STATE_DICT_KEYS = (
@@ -267,6 +309,12 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """ttt=True (training's unroll): attn_mask is the step-0 block [B, 1, T, T] only and past_kv
         holds steps 0..k-1 in order; see ttt_attention. Otherwise attn_mask covers cat(past, own)."""
+        q, k, v = self.qkv(x, cos, sin)
+        kv = (k, v)
+        return self.o_proj(self.core(q, kv, attn_mask, past_kv, ttt)), kv
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [B, nh, T, d], k and v [B, nkv, T, d], RoPE applied to q and k."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)  # [B, nh, T, d]
         k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)  # [B, nkv, T, d]
@@ -274,16 +322,22 @@ class Attention(nn.Module):
         cos, sin = cos.to(q.dtype)[:, None], sin.to(q.dtype)[:, None]  # [B, 1, T, d]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        kv = (k, v)
+        return q, k, v
+
+    def core(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], attn_mask: torch.Tensor | None,
+             past_kv: list[tuple[torch.Tensor, torch.Tensor]], ttt: bool = False) -> torch.Tensor:
+        """The attention itself: [B, T, nh * d], before o_proj."""
+        B, _, T, _ = q.shape
+        k, v = kv
         if ttt and past_kv:
             out = ttt_attention(q, past_kv[0], past_kv[1:] + [kv], attn_mask)
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d)), kv
+            return out.transpose(1, 2).reshape(B, T, self.nh * self.d)
         keys = torch.cat([pk.to(k.dtype) for pk, _ in past_kv] + [k], dim=2) if past_kv else k
         vals = torch.cat([pv.to(v.dtype) for _, pv in past_kv] + [v], dim=2) if past_kv else v
         S = keys.shape[2]
         if attn_mask is None and S > T:
             # KV-cache semantics: query i sees every past key and current keys <= i.
-            attn_mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+            attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         if self.nh != self.nkv:  # expand KV heads; memory-efficient SDPA kernels do not take GQA + masks
             keys = keys.repeat_interleave(self.nh // self.nkv, dim=1)
             vals = vals.repeat_interleave(self.nh // self.nkv, dim=1)
@@ -292,8 +346,7 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask)
         else:
             out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, is_causal=attn_mask is None)
-        out = out.transpose(1, 2).reshape(B, T, self.nh * self.d)
-        return self.o_proj(out), kv
+        return out.transpose(1, 2).reshape(B, T, self.nh * self.d)
 
 
 PROBE_PAD = 8  # extra head channels for ttt_attention's probe key (hi, lo, zeros): keeps head dims % 8
@@ -386,14 +439,29 @@ class MidLayer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
 
     def forward(self, embeds, hidden, cos, sin, attn_mask, past_kv, ttt=False):
-        e = self.input_layernorm(embeds)
-        g = self.hidden_norm(hidden)
-        residual = g if self.norm_before_residual else hidden
-        x = torch.cat([e.to(g.dtype), g], dim=-1)  # [B, T, 2H]
-        a, kv = self.self_attn(x, cos, sin, attn_mask, past_kv, ttt)
-        h = residual + a
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, kv
+        if ttt and LAYER_REGIONS.use(hidden):  # training's unroll: the two regions compiled (_LayerRegions)
+            q, k, v, residual = LAYER_REGIONS.run(_mid_pre, self, embeds, hidden, cos, sin)
+            o = self.self_attn.core(q, (k, v), attn_mask, past_kv, ttt)
+            return LAYER_REGIONS.run(_mid_post, self, o, residual), (k, v)
+        q, k, v, residual = _mid_pre(self, embeds, hidden, cos, sin)
+        o = self.self_attn.core(q, (k, v), attn_mask, past_kv, ttt)
+        return _mid_post(self, o, residual), (k, v)
+
+
+def _mid_pre(layer: MidLayer, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """MidLayer up to the attention core: (q, k, v, residual)."""
+    e = layer.input_layernorm(embeds)
+    g = layer.hidden_norm(hidden)
+    residual = g if layer.norm_before_residual else hidden
+    x = torch.cat([e.to(g.dtype), g], dim=-1)  # [B, T, 2H]
+    q, k, v = layer.self_attn.qkv(x, cos, sin)
+    return q, k, v, residual
+
+
+def _mid_post(layer: MidLayer, o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """MidLayer after the attention core: o_proj, residual, MLP."""
+    h = residual + layer.self_attn.o_proj(o)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 class DraftOut(NamedTuple):
