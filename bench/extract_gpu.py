@@ -4,12 +4,15 @@ index) vs a bare forward with `output_hidden_states=True` over the same batches,
 Target: a random-weight Llama built from a config on the device (8B-shaped by default: hidden 4096,
 32 layers, 32 heads / 8 KV heads, intermediate 14336, vocab 128256), bf16. Data: synthetic build
 split of `--samples` sequences with lengths uniform in [--min-len, --max-len]. Reports tokens/s of
-both, the ratio, and bytes per token on disk for bf16 and fp8. Optional arms in the same run:
-`--tail-split N` (bf16 with smaller final shards; session 6: slower, 0.68 vs 0.72) and
-`--writeback-ab` (bf16 with extract's eager writeback flipped: by default a `sync_file_range` after
-each written range where >= 8 CPUs are usable, else page cache + the finalizer's fsync).
+both, the ratio, and bytes per token on disk for bf16 and fp8, and the padded share of the forwards:
+extract's (batches planned over windows of `--batch-window` shards, extract.batch_window) beside the
+bare forward's (one plan over every sample). Optional arms in the same run: `--tail-split N` (bf16
+with smaller final shards; session 6: slower, 0.68 vs 0.72) and `--writeback-ab` (bf16 with
+extract's eager writeback flipped: by default off, i.e. page cache + the finalizer's fsync; on, a
+`sync_file_range` after each written range, as SPECOPS_EAGER_WRITEBACK=1 asks).
 
-    python bench/extract_gpu.py [--tiny] [--samples 160] [--tail-split N] [--writeback-ab] [--out results.json]
+    python bench/extract_gpu.py [--tiny] [--samples 160] [--batch-window N] [--tail-split N] [--writeback-ab]
+                                [--out results.json]
 """
 
 from __future__ import annotations
@@ -30,8 +33,16 @@ sys.path.insert(0, str(REPO / "src"))
 from safetensors.torch import save_file  # noqa: E402
 
 from specops.campaign import Campaign  # noqa: E402
-from specops.config import config_from_dict  # noqa: E402
-from specops.extract import TargetModel, find_decoder, plan_batches, run_extract  # noqa: E402
+from specops.config import ExtractSection, config_from_dict  # noqa: E402
+from specops.extract import (  # noqa: E402
+    TargetModel,
+    find_decoder,
+    plan_batches,
+    plan_shards,
+    plan_window_batches,
+    plan_windows,
+    run_extract,
+)
 
 
 def make_target(tiny: bool, device: torch.device, work: Path) -> TargetModel:
@@ -70,6 +81,19 @@ def write_build(camp: Path, lens: list[int], vocab: int, seed: int = 0) -> None:
                 f.write(json.dumps({"id": f"b/{i}", "dataset": "b", "n_tokens": L, "n_trainable": L}) + "\n")
 
 
+def padding_waste(lens: list[int], batches: list[list[int]]) -> float:
+    """The padded share of forwards that run `batches` (indices into lens, longest first) right-padded."""
+    padded = sum(len(b) * lens[b[0]] for b in batches)
+    return round(1 - sum(lens[i] for b in batches for i in b) / padded, 4) if padded else 0.0
+
+
+def extract_batches(lens: list[int], budget: int, shard_tokens: int, batch_window: int) -> int:
+    """How many forwards extract runs over `lens` (one rank): its shard plan cut into windows."""
+    offs = [0] + torch.tensor(lens).cumsum(0).tolist()
+    wins = plan_windows(plan_shards(offs, shard_tokens, 1), batch_window)
+    return sum(len(plan_window_batches(w, offs, budget)) for w in wins)
+
+
 def bare_forward(target: TargetModel, lens: list[int], budget: int, vocab: int) -> float:
     """The usual hand-written extraction loop's compute: HF forward with all hidden states."""
     g = torch.Generator().manual_seed(1)
@@ -94,14 +118,15 @@ def bare_forward(target: TargetModel, lens: list[int], budget: int, vocab: int) 
 
 
 def specops_extract(target: TargetModel, work: Path, lens: list[int], budget: int, dtype: str,
-                    shard_tokens: int, tail_split: int = 1, tag: str = "") -> dict:
+                    shard_tokens: int, tail_split: int = 1, tag: str = "", batch_window: int = 1) -> dict:
     camp_dir = work / f"camp-{dtype}-{tail_split}{tag}"
     vocab = target.vocab_size
     write_build(camp_dir, lens, vocab)
     cfg = config_from_dict({
         "campaign": {"name": "bench", "dir": str(camp_dir)},
         "target": {"model": str(target.model_dir)},
-        "extract": {"dtype": dtype, "token_budget": budget, "shard_tokens": shard_tokens, "tail_split": tail_split},
+        "extract": {"dtype": dtype, "token_budget": budget, "shard_tokens": shard_tokens, "tail_split": tail_split,
+                    "batch_window": batch_window},
         "datasets": [{"name": "b", "path": str(work / "dummy.jsonl")}],
     })
     camp = Campaign.create_or_open(cfg)
@@ -135,10 +160,13 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--token-budget", type=int, default=32768)
     ap.add_argument("--shard-tokens", type=int, default=1 << 16, help="default: extract.shard_tokens's")
+    ap.add_argument("--batch-window", type=int, default=ExtractSection().batch_window,
+                    help="extract.batch_window: shards whose samples are batched together (default: the config's)")
     ap.add_argument("--tail-split", type=int, default=1,
                     help="> 1: also bf16 with extract.tail_split = N (smaller final shards), same run")
     ap.add_argument("--writeback-ab", action="store_true",
-                    help="also bf16 with extract's eager writeback flipped (on where >= 8 CPUs), same run")
+                    help="also bf16 with extract's eager writeback flipped (off unless SPECOPS_EAGER_WRITEBACK=1), "
+                         "same run")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -149,18 +177,20 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         lens = torch.randint(a.min_len, a.max_len + 1, (a.samples,), generator=g).tolist()
         base = bare_forward(target, lens, a.token_budget, target.vocab_size)
-        bf16 = specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens)
-        fp8 = specops_extract(target, work, lens, a.token_budget, "float8_e4m3fn", a.shard_tokens)
-        tail = (specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, a.tail_split)
-                if a.tail_split > 1 else None)
+        bw = a.batch_window
+        bf16 = specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, batch_window=bw)
+        fp8 = specops_extract(target, work, lens, a.token_budget, "float8_e4m3fn", a.shard_tokens, batch_window=bw)
+        tail = (specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, a.tail_split,
+                                batch_window=bw) if a.tail_split > 1 else None)  # fmt: skip
         flipped = None
-        if a.writeback_ab:  # sync_file_range after each write (the default on >= 8 CPUs) vs page cache + fsync
+        if a.writeback_ab:  # page cache + the finalizer's fsync (the default) vs sync_file_range after each write
             from specops import extract as ex
 
             default = ex._EAGER_WRITEBACK
             ex._EAGER_WRITEBACK = not default
             try:
-                flipped = specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, tag="-wb")
+                flipped = specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, tag="-wb",
+                                          batch_window=bw)  # fmt: skip
             finally:
                 ex._EAGER_WRITEBACK = default
         res = {
@@ -173,7 +203,12 @@ def main() -> None:
             "specops_fp8_tok_s": round(fp8["tokens_per_s"], 1),
             "ratio_fp8": round(fp8["tokens_per_s"] / base, 3),
             "bytes_per_token_bf16": bf16["bytes_per_token"], "bytes_per_token_fp8": fp8["bytes_per_token"],
+            "batch_window": bw, "shard_tokens": a.shard_tokens,
+            # padded share of the forwards: extract's window plans vs the bare forward's one global plan
             "padding_waste": bf16["padding_waste"],
+            "padding_waste_bare_forward": padding_waste(lens, plan_batches(lens, a.token_budget)),
+            "forward_batches": {"extract": extract_batches(lens, a.token_budget, a.shard_tokens, bw),
+                                "bare_forward": len(plan_batches(lens, a.token_budget))},
             "seconds": {"bare": round(sum(lens) / base, 3), "bf16": round(bf16["seconds"], 3),
                         "fp8": round(fp8["seconds"], 3)},
             "shards": {k: {"shard_seconds": r["shard_seconds"], "finalize_seconds": r["finalize_seconds"],

@@ -28,6 +28,7 @@ from specops.extract import (
     load_target,
     plan_batches,
     plan_shards,
+    plan_window_batches,
     read_shard,
     run_extract,
     to_storage,
@@ -262,20 +263,19 @@ def test_llama_features_equal_hf_hidden_states_and_online(tmp_path, llama_dir):
         alone = compute_features(target, r[None])
         torch.testing.assert_close(f["aux"][b, T - len(r) :], alone["aux"][0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(f["final"][b, T - len(r) :], alone["final"][0], rtol=1e-4, atol=1e-5)
-    # ... and bit for bit when batched as the shard was.
-    index = json.loads((camp.root / "features" / "train" / "index.json").read_text())
-    shard = read_shard(camp.root / "features" / "train" / index["shards"][0]["name"])
-    so = shard["offsets"].tolist()
-    lens = [so[j + 1] - so[j] for j in range(len(so) - 1)]
-    batch = plan_batches(lens, cfg.extract.token_budget)[0]
-    x = torch.zeros(len(batch), lens[batch[0]], dtype=torch.long)
-    for b, j in enumerate(batch):
-        x[b, : lens[j]] = shard["input_ids"][so[j] : so[j + 1]]
+    # ... and bit for bit when batched as the first window's first batch (rows of several shards) was.
+    window = plan_shards(offs, cfg.extract.shard_tokens, 1)[: cfg.extract.batch_window]
+    batch = plan_window_batches(window, offs, cfg.extract.token_budget)[0]
+    rows = [build["input_ids"][offs[window[p].start + j] : offs[window[p].start + j + 1]] for p, j in batch]
+    x = torch.zeros(len(rows), len(rows[0]), dtype=torch.long)
+    for b, r in enumerate(rows):
+        x[b, : len(r)] = r
     f = compute_features(target, x)
     s = to_storage(f["aux"], f["final"], "bfloat16")
-    for b, j in enumerate(batch):
-        assert torch.equal(s["aux"][b, : lens[j]], shard["aux"][so[j] : so[j + 1]])
-        assert torch.equal(s["final"][b, : lens[j]], shard["final"][so[j] : so[j + 1]])
+    for b, (p, j) in enumerate(batch):
+        n = len(rows[b])
+        assert torch.equal(s["aux"][b, :n], stored[window[p].start + j]["aux"])
+        assert torch.equal(s["final"][b, :n], stored[window[p].start + j]["final"])
 
     # A rerun finds everything finished: nothing rewritten.
     d = camp.root / "features" / "train"
@@ -334,11 +334,13 @@ def start_extract(camp: Path, log: Path) -> subprocess.Popen:
 
 
 def test_kill9_mid_extraction_then_resume_is_byte_identical(tmp_path):
-    # A wider model so each shard takes a visible time and the kill lands with shards to go.
+    # A wider model so each shard takes a visible time and the kill lands with shards to go; windows
+    # of 2 shards, so it may land inside one (tests/test_extract_window.py places it there on purpose).
     model_dir = make_llama(tmp_path / "model", hidden=128)
     lengths = {"train": random_lengths(60, 7, lo=20, hi=150), "val": [5]}
-    _, camp_a = make_campaign(tmp_path / "a", model_dir, lengths, shard_tokens=800, token_budget=512)
-    _, camp_b = make_campaign(tmp_path / "b", model_dir, lengths, shard_tokens=800, token_budget=512)
+    kw = dict(shard_tokens=800, token_budget=512, batch_window=2)
+    _, camp_a = make_campaign(tmp_path / "a", model_dir, lengths, **kw)
+    _, camp_b = make_campaign(tmp_path / "b", model_dir, lengths, **kw)
     feats_a = camp_a.root / "features" / "train"
 
     p = start_extract(camp_a.root, tmp_path / "a.log")
@@ -583,12 +585,13 @@ def test_staging_slots_write_the_same_bytes(tmp_path, llama_dir, monkeypatch, dt
 
 def test_finalize_overlaps_the_next_shard(tmp_path, llama_dir, monkeypatch):
     """Shard 0's sha256 read-back waits until shard 1's rows are being written: only a finalize off
-    the main thread lets that happen (a synchronous one would time out and be reported)."""
+    the main thread lets that happen (a synchronous one would time out and be reported). Windows of
+    one shard: shard 1's rows all come after shard 0's."""
     import threading
 
     from specops import extract
 
-    cfg, camp = make_campaign(tmp_path / "camp", llama_dir)
+    cfg, camp = make_campaign(tmp_path / "camp", llama_dir, batch_window=1)
     next_shard_writing = threading.Event()
     overlapped = []
     real_sha, real_rows = extract.sha256_file, extract._write_rows

@@ -160,8 +160,8 @@ def test_cuda_copies_read_the_features_before_their_memory_is_reused(tmp_path):
         with torch.cuda.stream(pipe.copy_stream):
             torch.cuda._sleep(200_000_000)  # ~0.1 s or more: the copy waits behind it
         feats = {"aux": aux_cpu.to(dev), "final": final_cpu.to(dev)}
-        rows = [(b, b * T, T) for b in range(B)]
-        pipe.write_batch(job, rows, feats)
+        rows = [(job, b, b * T, T) for b in range(B)]
+        pipe.write_batch(rows, feats)
         del feats
         junk = [torch.full((B, T, 3, H), 7.0, device=dev, dtype=torch.bfloat16),
                 torch.full((B, T, H), 7.0, device=dev, dtype=torch.bfloat16)]  # fmt: skip

@@ -171,6 +171,15 @@ class ExtractSection:
     # this many times smaller, so the final fsync + hash that nothing overlaps shrinks too (1:
     # uniform shards).
     tail_split: int = 1
+    # Forward batches are planned over the samples of this many consecutive shards of a rank (a
+    # "batch window"), not one shard's: longest-first packing then finds rows of like length, so
+    # less of each forward is padding (160 samples of 512..4096 tokens, 64K-token shards, 32K-token
+    # batches: 18.7 % padded with 1, 5.4 % with 8). 8: most of that gain on uniform lengths (4.7 %
+    # vs 18 % at steady state; 16 would save ~2 % more) while a window's shards (8 x 2.1 GB for an
+    # 8B-shaped target) stay open, and a killed run redoes at most one window per rank. Part of the
+    # extraction plan: a resume with another value is refused (its batches, so its bytes, differ).
+    # 1: each shard batched on its own (the plan of runs from before batch windows).
+    batch_window: int = 8
     device: str = "auto"  # auto: cuda:<LOCAL_RANK> if available else cpu
     mode: Literal["offline", "online"] = "offline"  # online: training computes features in process
 
@@ -508,6 +517,13 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"monitor.alert_url: expected an http(s) URL, got {m.alert_url!r}")
     if m.metrics_port is not None and not 0 < m.metrics_port < 65536:
         raise ConfigError(f"monitor.metrics_port: must be a TCP port, got {m.metrics_port}")
+
+    x = cfg.extract
+    if x.batch_window < 1:
+        raise ConfigError(
+            f"extract.batch_window: must be >= 1 (the number of a rank's consecutive shards batched "
+            f"together; 1 = each shard on its own), got {x.batch_window}"
+        )
 
     sv = cfg.serve
     if not 0 < sv.port < 65536:

@@ -17,24 +17,44 @@ Shard plan, a pure function of (build offsets, shard_tokens, world size, tail_sp
 build order are cut into consecutive runs of at most `shard_tokens` tokens (a longer sample is a
 shard of its own; with tail_split = n > 1, runs that reach into the split's last W x shard_tokens
 tokens are cut at shard_tokens // n, a shorter tail to wait on); global shard g belongs to rank
-g % W as that rank's shard k = g // W. Inside a shard, samples
-are sorted longest first and packed into forward batches of <= token_budget padded tokens; rows are
-written back in build order. Right padding under a causal mask leaves every real token's states
-exact (no real token attends to a later position), so batches pass no attention mask.
+g % W as that rank's shard k = g // W. Right padding under a causal mask leaves every real token's
+states exact (no real token attends to a later position), so batches pass no attention mask.
+
+Batch windows (`extract.batch_window` = w): a rank's own shard list (k order) is cut into
+consecutive windows of w shards (`plan_windows`); the samples of a window are sorted longest first
+and packed into forward batches of <= token_budget padded tokens (`plan_window_batches`), so a batch
+holds rows of several shards and far fewer padded tokens than one shard's ~25 samples would allow.
+Each row is written at its offset in its own shard; a shard goes to the finalizer right after the
+last batch holding its rows, and its sidecar's `padded_tokens` sums the padded length of the batch
+of each of its rows. w = 1 is the per-shard batching of runs from before windows, bit for bit.
+Default w = 8: on the H200 bench's shape (160 samples of 512..4096 tokens, 64K-token shards,
+32K-token batches) padding falls from 18.7 % of the forwards (18 batches) to 5.4 % (13, the global
+plan's); on a long run of such lengths from 18 % to 4.7 %, where 16 would gain ~2 points more while
+doubling what a window costs: its shards open at once (w x 2.1 GB of page cache for an 8B-shaped
+target), its shards' finalizes bunched at its end, and up to a window per rank redone after a kill.
+
+Determinism: bf16 forwards are not batch-invariant (a row's features can change in the last bits
+with the other rows of its batch and the padded length), so a shard's bytes are kept a function of
+the plan alone, never of where an earlier run stopped: windows are a fixed function of the shard
+plan and w, a window's batches a fixed function of its samples, and a window with unfinished shards
+is computed with the SAME batches as an uninterrupted run (rows of its finished shards are dropped,
+batches holding nothing else skipped); a window whose shards are all finished is skipped. w changes
+the batches, so it is part of the plan key (w = 1 leaves it out: older plans keep their keys).
 
 Resume: a shard is finished when its file and `<name>.done` both exist and the file has the size
 the sidecar records. The sidecar (sha256, bytes, plan key, timings) is written BEFORE the temp file
 `.<name>.tmp` is renamed, so the final name only ever appears complete. Finished shards are skipped,
-never rewritten; shards of a different plan (other layers, dtype, model, build, world size) are
-refused. Rank 0 writes `index.json` last, atomically, once every rank has passed the final barrier.
+never rewritten; shards of a different plan (other layers, dtype, model, build, world size, batch
+window) are refused. Rank 0 writes `index.json` last, atomically, once every rank has passed the
+final barrier.
 
 Pipelining (`_Pipeline`): the main thread only launches work. Batch features go device->host into
 pinned slots without a sync, on a copy stream beside the compute stream; a writer thread pwrites
-them once their copy is done and, where CPUs allow, starts their writeback to disk at once
-(`_EAGER_WRITEBACK`); a finalizer thread fsyncs, hashes, writes the sidecar and renames a shard
-while the next shard computes. The bytes and the order sidecar-then-rename are as above; a run
-joins both threads before any index, barrier or error exit, and a failure in either is raised by
-`run_extract`.
+each row into its shard once the copy is done (with SPECOPS_EAGER_WRITEBACK=1 also starting its
+writeback to disk, `_EAGER_WRITEBACK`); a pool of finalizer threads fsyncs, hashes, writes the
+sidecar and renames shards side by side while the next batches compute. The bytes and the order
+sidecar-then-rename are as above; a run joins every thread before any index, barrier or error exit,
+and a failure in any is raised by `run_extract`.
 """
 
 from __future__ import annotations
@@ -414,11 +434,15 @@ _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not
 # the file's writeback-error cursor, and the fsync could then miss an earlier I/O error).
 #
 # The writeback's kernel work (block allocation, I/O submission) then runs in the writer thread and
-# the kernel's I/O threads while the shard is written. With CPUs to spare that is free; on a 2-vCPU
-# VM it competed with the writer and the hash and cost ~12 % of the write path's throughput
-# (bench/extract_write_cpu.py: 1.33 -> 1.16 GB/s, where that VM's disk outran the writer anyway). So
-# it is on where at least 8 CPUs are usable; bench/extract_write_cpu.py --eager-writeback on|off and
-# the tests set it explicitly.
+# the kernel's I/O threads while the shard is written. On a 2-vCPU VM it competed with the writer
+# and the hash and cost ~12 % of the write path's throughput (bench/extract_write_cpu.py: 1.33 ->
+# 1.16 GB/s, where that VM's disk outran the writer anyway). On the H200 host (16 CPUs), where it had
+# been on by default, the same-run A/B measured it harmful too: bf16 extraction at 0.745x of a bare
+# forward with it on, 0.793x with it off (bench/results/h200-2026-12-03e/results/bench-extract.json:
+# 22.9K vs 24.4K tokens/s; with it off the fsyncs take 8.6 s in all, overlapped by the finalizer,
+# against 2.3 s of writeback calls on the writer's own path). So it is OFF unless the environment
+# says SPECOPS_EAGER_WRITEBACK=1; the code path stays for that A/B (bench/extract_gpu.py
+# --writeback-ab flips it, bench/extract_write_cpu.py --eager-writeback on|off and the tests set it).
 def _usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask; the machine's count where there is none)."""
     try:
@@ -427,7 +451,7 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-_EAGER_WRITEBACK = _usable_cpus() >= 8
+_EAGER_WRITEBACK = os.environ.get("SPECOPS_EAGER_WRITEBACK") == "1"
 
 
 class ShardWriter:
@@ -575,6 +599,26 @@ def plan_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     return batches
 
 
+def plan_windows(shards: Sequence[Shard], batch_window: int) -> list[list[Shard]]:
+    """A rank's shards (its whole list, k order; finished ones too) cut into consecutive windows of
+    `batch_window` shards (the last may be shorter). A fixed function of the plan: never of which
+    shards a run finds finished, so a resumed window is the window of an uninterrupted run."""
+    if batch_window <= 0:
+        raise ValueError(f"batch_window must be > 0, got {batch_window}")
+    return [list(shards[i : i + batch_window]) for i in range(0, len(shards), batch_window)]
+
+
+def plan_window_batches(
+    window: Sequence[Shard], offsets: Sequence[int], token_budget: int
+) -> list[list[tuple[int, int]]]:
+    """The forward batches of one window: `plan_batches` over the lengths of its samples (window
+    order: shard by shard, build order inside), each row as (shard position in the window, sample
+    row in that shard). A window of one shard gives that shard's `plan_batches`, row for row."""
+    rows = [(p, j) for p, s in enumerate(window) for j in range(s.n_samples)]
+    lengths = [int(offsets[window[p].start + j + 1]) - int(offsets[window[p].start + j]) for p, j in rows]
+    return [[rows[i] for i in b] for b in plan_batches(lengths, token_budget)]
+
+
 # ---------------------------------------------------------------------------------------- run
 
 
@@ -591,16 +635,30 @@ class _Split:
     def done_path(self, s: Shard) -> Path:
         return self.out_dir / (s.name + ".done")
 
+    def refusal(self, name: str, other: Any) -> str:
+        """Why a shard of another plan is refused: what differs, and how to go on."""
+        other = other if isinstance(other, dict) else {}
+        keys = sorted(set(other) | set(self.plan), key=str)
+        diff = [k for k in keys if other.get(k) != self.plan.get(k)]
+        shown = {"batch_window": 1, "tail_split": 1}  # left out of a plan at their value 1
+
+        def val(plan: dict, k: str) -> Any:
+            return plan.get(k, shown.get(k, "absent"))
+
+        what = "; ".join(f"{k}: {val(other, k)!r} there, {val(self.plan, k)!r} now" for k in diff)
+        hint = f"Remove {self.out_dir} to extract again"
+        if diff == ["batch_window"]:
+            hint = f"Set extract.batch_window = {val(other, 'batch_window')} to resume it, or remove {self.out_dir}"
+        return (f"{self.out_dir}: {name} belongs to another extraction plan (differs in {what or 'its key'}; "
+                f"its plan: {other or None}; this run's plan: {self.plan}). {hint}.")
+
     def finished(self, s: Shard, nbytes: int) -> dict[str, Any] | None:
         """The sidecar of a finished shard of this plan, or None. A foreign plan's shard is refused."""
         done = read_json(self.done_path(s))
         if done is None:
             return None
         if done.get("plan_key") != self.plan_key:
-            raise SpecopsError(
-                f"{self.out_dir}: {s.name} belongs to another extraction plan ({done.get('plan')}); "
-                f"this run's plan is {self.plan}. Remove {self.out_dir} to extract again."
-            )
+            raise SpecopsError(self.refusal(s.name, done.get("plan")))
         path = self.out_dir / s.name
         if not path.is_file() or path.stat().st_size != nbytes or done.get("bytes") != nbytes:
             return None
@@ -624,7 +682,14 @@ def _model_fingerprint(model_dir: Path) -> str:
 
 
 def _open_split(
-    campaign: Campaign, split: str, *, shard_tokens: int, world: int, plan_base: dict[str, Any], tail_split: int = 1
+    campaign: Campaign,
+    split: str,
+    *,
+    shard_tokens: int,
+    world: int,
+    plan_base: dict[str, Any],
+    tail_split: int = 1,
+    batch_window: int = 1,
 ) -> _Split:
     from safetensors import safe_open
 
@@ -653,6 +718,8 @@ def _open_split(
     plan = dict(plan_base, build_sha256=sha256_file(path), shard_tokens=shard_tokens, world_size=world, split=split)
     if tail_split > 1:  # only then: plans (and keys) of uniform runs stay as they were
         plan["tail_split"] = tail_split
+    if batch_window > 1:  # windows change the batches, so the bytes; 1: the plans (keys) from before
+        plan["batch_window"] = batch_window
     key = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
     return _Split(
         name=split,
@@ -673,6 +740,8 @@ def _check_extract_config(cfg: Config) -> None:
         raise ConfigError(f"extract.shard_tokens: must be > 0, got {x.shard_tokens}")
     if x.tail_split <= 0:
         raise ConfigError(f"extract.tail_split: must be > 0, got {x.tail_split}")
+    if isinstance(x.batch_window, bool) or not isinstance(x.batch_window, int) or x.batch_window < 1:
+        raise ConfigError(f"extract.batch_window: must be an integer >= 1, got {x.batch_window!r}")
     if x.aux_layer_ids is not None and len(x.aux_layer_ids) != 3:
         raise ConfigError(f"extract.aux_layer_ids: EAGLE-3 takes exactly 3 layers, got {x.aux_layer_ids}")
 
@@ -680,7 +749,10 @@ def _check_extract_config(cfg: Config) -> None:
 # Pipeline bounds (see `_Pipeline`). Pinned slots: each holds one batch's features (about
 # token_budget x bytes/token, ~1 GiB for an 8B target in bf16 at 32K tokens).
 _STAGING_SLOTS = 3
-_FINALIZE_DEPTH = 2  # shards written but not yet finalized, at most
+# Windows of shards written but not yet finalized, at most (x batch_window shards): a window's
+# shards all reach the finalizers within its last batches, and may do so while the previous
+# window's are still being hashed.
+_FINALIZE_DEPTH = 2
 _STAGE_CPU = False  # tests: run the staging-slot path on CPU too (plain buffers, no events)
 
 
@@ -693,32 +765,39 @@ class _ShardJob:
     tmp: Path
     t0: float
     writes: list[concurrent.futures.Future]
-    padded: int = 0
-    wait: float = 0.0  # seconds the main thread waited for the writer (a free staging slot) on this shard
+    padded: int = 0  # sum over its rows of their batch's padded length
+    wait: float = 0.0  # seconds the main thread waited for the writer (a free staging slot), its rows' share
+    busy: float | None = None  # main-thread seconds spent on its rows (their share of each batch); None: t0 on
+    queued: float | None = None  # when its last row was queued (`finish_shard`)
+
+
+# A batch's rows for the writer: (shard job, row in the batch, row offset in the shard, n tokens).
+_Route = tuple[_ShardJob, int, int, int]
 
 
 class _Pipeline:
     """Keeps the device busy while a run writes, hashes and syncs shards.
 
     Main thread: builds a batch, launches its forward, queues the device->host copy of its features
-    and hands the rows to the writer thread; then goes on to the next batch at once. Writer thread
-    (one, FIFO; a file's buffered writes serialize on its inode lock in ext4 and XFS anyway): waits
-    for the batch's copy (a CUDA event), pwrites its rows (and starts their writeback, where
-    `_EAGER_WRITEBACK` is on). Finalizer
-    thread (one, FIFO): once a shard's writes are done, fsyncs + sha256s it, writes the sidecar,
-    renames.
+    and hands the rows to the writer thread, each for its own shard; then goes on to the next batch
+    at once. Writer thread (one, FIFO; a file's buffered writes serialize on its inode lock in ext4
+    and XFS anyway): waits for the batch's copy (a CUDA event), pwrites each row into its shard (and
+    starts its writeback, where `_EAGER_WRITEBACK` is on). Finalizers (a pool of
+    min(batch_window, usable CPUs // 2) threads, at least one): once a shard's writes are done,
+    fsync + sha256 it, write the sidecar, rename. A window's shards finish within its last batches,
+    so their read-backs (~1.9 s per 2 GB shard) run side by side rather than one after another.
 
     CUDA: features are copied non_blocking into a few pinned host slots, reused (pinning is costly),
     on a copy stream of their own (overlapping the next forward); a slot is handed out again only
     when the writer is done with it, so at most `_STAGING_SLOTS` batches are in flight. CPU: the
     features are already on the host; one batch is written while the next computes. At most
-    `_FINALIZE_DEPTH` shards wait for or run their finalize.
+    `_FINALIZE_DEPTH` x batch_window shards wait for or run their finalize.
 
     Errors: a failed write or finalize is re-raised on the main thread (at the next batch or shard,
     or at `join`). `abort` waits for every queued job, so no thread touches a shard after it returns.
     """
 
-    def __init__(self, device: torch.device, token_budget: int):
+    def __init__(self, device: torch.device, token_budget: int, batch_window: int = 1):
         self.device = device
         self.pinned = device.type == "cuda"
         staged = self.pinned or _STAGE_CPU
@@ -726,16 +805,18 @@ class _Pipeline:
         self.free = collections.deque(range(_STAGING_SLOTS)) if staged else collections.deque()
         self.max_inflight = _STAGING_SLOTS if staged else 1
         self.min_tokens = token_budget  # a slot grows past one token budget only for a longer lone sample
+        self.finalize_depth = _FINALIZE_DEPTH * batch_window
         self.writes: collections.deque[tuple[concurrent.futures.Future, int | None]] = collections.deque()
         self.finals: collections.deque[concurrent.futures.Future] = collections.deque()
         self.completed: list[dict[str, Any]] = []  # sidecars of shards finalized since `take_done`
-        self.current: _ShardJob | None = None  # the shard being written (no finalize owns it yet)
+        self.open: list[_ShardJob] = []  # shards being written (no finalize owns them yet)
         # CUDA: the device->host copies go on a stream of their own, so the copy engine moves batch
         # i's features while the compute stream already runs batch i+1's forward (on the compute
         # stream, each copy held up the next forward for its whole duration).
         self.copy_stream = torch.cuda.Stream(device) if self.pinned else None
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-writer")
-        self._finalizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-finalize")
+        n_final = min(batch_window, max(1, _usable_cpus() // 2))
+        self._finalizer = concurrent.futures.ThreadPoolExecutor(n_final, thread_name_prefix="shard-finalize")
 
     # -- batches
 
@@ -747,21 +828,29 @@ class _Pipeline:
         # The host block is not reused before the copy is done (the caching host allocator records it).
         return x.to(self.device, non_blocking=True) if self.pinned else x
 
-    def write_batch(self, job: _ShardJob, rows: list[tuple[int, int, int]], feats: dict[str, torch.Tensor]) -> None:
-        """Queue rows (b, row offset in the shard, n tokens) of batch features `feats` [B, T, ...]."""
+    def write_batch(self, routes: list[_Route], feats: dict[str, torch.Tensor]) -> None:
+        """Queue rows (shard job, b, row offset in that shard, n tokens) of batch features `feats`
+        [B, T, ...]; rows of several shards share the batch's one staging slot."""
         self.poll()
         t0 = time.perf_counter()
         while len(self.writes) >= self.max_inflight:  # bound the batches in flight; frees a slot
             self._reclaim()
-        job.wait += time.perf_counter() - t0
+        wait = time.perf_counter() - t0
+        B = next(iter(feats.values())).shape[0]
+        groups: dict[int, tuple[_ShardJob, list[tuple[int, int, int]]]] = {}
+        for job, b, row, n in routes:
+            job.wait += wait / B  # each row's share
+            groups.setdefault(id(job), (job, []))[1].append((b, row, n))
         slot, event = None, None
         if self.slots is None:
             feats = {k: v.cpu() for k, v in feats.items()}  # CPU: no copy
         else:
             slot = self.free.popleft()
             feats, event = self._stage(self.slots[slot], feats)
-        fut = self._writer.submit(_write_rows, job.writer, rows, feats, event)
-        job.writes.append(fut)
+        work = [(job.writer, rows) for job, rows in groups.values()]
+        fut = self._writer.submit(_write_batch, work, feats, event)
+        for job, _ in groups.values():
+            job.writes.append(fut)
         self.writes.append((fut, slot))
 
     def _stage(self, bufs: dict[str, torch.Tensor], feats: dict[str, torch.Tensor]):
@@ -807,20 +896,27 @@ class _Pipeline:
 
     def start_shard(self, job: _ShardJob) -> None:
         self.poll()
-        self.current = job
+        self.open.append(job)
 
     def finish_shard(self, sp: _Split, job: _ShardJob) -> None:
-        """Hand the shard to the finalizer; waits only while `_FINALIZE_DEPTH` shards are ahead of it."""
-        self.current = None  # the finalize owns the writer now (it closes it)
+        """Hand a shard whose rows are all queued to the finalizers; waits only while
+        `finalize_depth` shards are ahead of it."""
+        self.open.remove(job)  # the finalize owns the writer now (it closes it)
+        job.queued = time.perf_counter()
         self.finals.append(self._finalizer.submit(_finalize_shard, sp, job))
-        while len(self.finals) > _FINALIZE_DEPTH:
-            self.completed.append(self.finals.popleft().result())
+        while len(self.finals) > self.finalize_depth:
+            concurrent.futures.wait(self.finals, return_when=concurrent.futures.FIRST_COMPLETED)
+            self.poll()
         self.poll()
 
     def poll(self) -> None:
-        """Collect finished finalizes without waiting; re-raise the first failure."""
-        while self.finals and self.finals[0].done():
-            self.completed.append(self.finals.popleft().result())
+        """Collect finished finalizes (any of the pool's, in queue order) without waiting; re-raise
+        the first failure."""
+        if not any(f.done() for f in self.finals):
+            return
+        for f in [f for f in self.finals if f.done()]:
+            self.completed.append(f.result())  # a failure raises with the future still queued
+            self.finals.remove(f)
 
     def take_done(self) -> list[dict[str, Any]]:
         done, self.completed = self.completed, []
@@ -831,11 +927,12 @@ class _Pipeline:
         while self.writes:
             self._reclaim()
         while self.finals:
-            self.completed.append(self.finals.popleft().result())
+            self.completed.append(self.finals[0].result())
+            self.finals.popleft()
         return self.take_done()
 
     def abort(self) -> None:
-        """After an error or interrupt: let every queued job end, then close the unfinished shard.
+        """After an error or interrupt: let every queued job end, then close the unfinished shards.
 
         Finalizes already queued still run (their shards then count as finished on the next run);
         their errors are logged, the caller re-raises its own.
@@ -843,11 +940,10 @@ class _Pipeline:
         for fut, _ in self.writes:
             concurrent.futures.wait([fut])
         self.writes.clear()
-        if self.current is not None:
-            for fut in self.current.writes:
-                concurrent.futures.wait([fut])
-            self.current.writer.close(sync=False)  # its temp file stays for the next run to overwrite
-            self.current = None
+        for job in self.open:
+            concurrent.futures.wait(job.writes)
+            job.writer.close(sync=False)  # its temp file stays for the next run to overwrite
+        self.open.clear()
         for fut in self.finals:
             concurrent.futures.wait([fut])
             if not fut.cancelled() and fut.exception() is not None:
@@ -859,9 +955,25 @@ class _Pipeline:
         self._finalizer.shutdown(wait=True)
 
 
+def _write_batch(
+    groups: list[tuple[ShardWriter, list[tuple[int, int, int]]]], feats: dict[str, torch.Tensor], event: Any
+) -> None:
+    """Writer thread: one batch's rows, each shard's rows through `_write_rows` with its writer."""
+    if event is not None:
+        t0 = time.perf_counter()
+        event.synchronize()  # the device->host copy of these features is complete
+        dt = time.perf_counter() - t0
+        n = sum(len(rows) for _, rows in groups)
+        for w, rows in groups:  # each shard's share: its rows'
+            w.timings["copy_wait"] += dt * len(rows) / n
+    for w, rows in groups:
+        _write_rows(w, rows, feats, None)
+
+
 def _write_rows(
     w: ShardWriter, rows: list[tuple[int, int, int]], feats: dict[str, torch.Tensor], event: Any
 ) -> None:
+    """Rows (b, row offset in w's shard, n tokens) of batch features `feats` [B, T, ...] into w."""
     if event is not None:
         t0 = time.perf_counter()
         event.synchronize()  # the device->host copy of these features is complete
@@ -871,37 +983,85 @@ def _write_rows(
             w.write(key, row, t[b, :n])
 
 
-def _extract_shard(
-    pipe: _Pipeline, target: TargetModel, sp: _Split, s: Shard, layer_ids: list[int], dtype: str, token_budget: int
+def _extract_window(
+    pipe: _Pipeline,
+    target: TargetModel,
+    sp: _Split,
+    window: list[Shard],
+    todo: set[int],
+    layer_ids: list[int],
+    dtype: str,
+    token_budget: int,
+    offsets: list[int],
 ) -> None:
-    """Compute one shard and queue its writes, then its finalize (`_finalize_shard`); returns at once."""
+    """Compute one window (`plan_window_batches`) and queue the writes of its shards in `todo`
+    (global numbers), each shard's finalize right after its last row; returns once all is queued.
+
+    The whole window's batches are the batches of an uninterrupted run, whichever of its shards are
+    finished: their rows are dropped, and a batch holding nothing else is skipped.
+    """
     from safetensors import safe_open
 
     H = target.hidden_size
-    offs = (sp.offsets[s.start : s.stop + 1] - sp.offsets[s.start]).tolist()  # shard-local token offsets
-    lengths = [offs[i + 1] - offs[i] for i in range(s.n_samples)]
-    with safe_open(str(sp.build_path), framework="pt") as f:
-        ids = f.get_slice("input_ids")[s.tok_start : s.tok_stop].to(torch.int32)
-        mask = f.get_slice("loss_mask")[s.tok_start : s.tok_stop].to(torch.uint8)
-    tmp = sp.out_dir / f".{s.name}.tmp"
     t0 = time.perf_counter()
-    w = ShardWriter(tmp, s.n_tokens, s.n_samples, H, dtype)
-    job = _ShardJob(shard=s, writer=w, tmp=tmp, t0=t0, writes=[])
-    pipe.start_shard(job)  # from here on, `pipe.abort` closes the writer
-    w.write("input_ids", 0, ids)
-    w.write("loss_mask", 0, mask)
-    w.write("offsets", 0, torch.tensor(offs, dtype=torch.int64))
-    w.write("sample_index", 0, torch.arange(s.start, s.stop, dtype=torch.int64))
-    for batch in plan_batches(lengths, token_budget):
-        T = lengths[batch[0]]  # longest first: the batch max
-        x = pipe.input_ids([ids[offs[i] : offs[i + 1]] for i in batch], T)
-        job.padded += len(batch) * T
-        f = compute_features(target, x, layer_ids=layer_ids)
-        stored = to_storage(f["aux"], f["final"], dtype)
-        del f, x
-        pipe.write_batch(job, [(b, offs[i], lengths[i]) for b, i in enumerate(batch)], stored)
-        del stored
-    pipe.finish_shard(sp, job)
+    batches = plan_window_batches(window, offsets, token_budget)
+    local = [[o - offsets[s.start] for o in offsets[s.start : s.stop + 1]] for s in window]  # shard-local offsets
+    ids: list[torch.Tensor] = []
+    jobs: dict[int, _ShardJob] = {}  # window position -> the job of a shard to write
+    with safe_open(str(sp.build_path), framework="pt") as f:
+        for p, s in enumerate(window):
+            ids.append(f.get_slice("input_ids")[s.tok_start : s.tok_stop].to(torch.int32))
+            if s.g not in todo:
+                continue  # finished: its samples still join their batches, its rows are dropped
+            mask = f.get_slice("loss_mask")[s.tok_start : s.tok_stop].to(torch.uint8)
+            tmp = sp.out_dir / f".{s.name}.tmp"
+            w = ShardWriter(tmp, s.n_tokens, s.n_samples, H, dtype)
+            job = jobs[p] = _ShardJob(shard=s, writer=w, tmp=tmp, t0=t0, writes=[], busy=0.0)
+            pipe.start_shard(job)  # from here on, `pipe.abort` closes the writer
+            w.write("input_ids", 0, ids[p])
+            w.write("loss_mask", 0, mask)
+            w.write("offsets", 0, torch.tensor(local[p], dtype=torch.int64))
+            w.write("sample_index", 0, torch.arange(s.start, s.stop, dtype=torch.int64))
+    if not jobs:
+        return
+    last: dict[int, int] = {}  # window position -> index of the last batch holding one of its rows
+    for bi, batch in enumerate(batches):
+        for p, _ in batch:
+            last[p] = bi
+    ends: dict[int, list[int]] = collections.defaultdict(list)  # batch index -> shards complete after it
+    for p in jobs:
+        ends[last.get(p, -1)].append(p)
+    clock = time.perf_counter()
+    for job in jobs.values():  # the window's set-up, shared out
+        job.busy = (clock - t0) / len(jobs)
+    for p in ends.pop(-1, []):  # no rows to compute (empty samples only): complete already
+        pipe.finish_shard(sp, jobs[p])
+    for bi, batch in enumerate(batches):
+        routes = [(jobs[p], b, local[p][j], local[p][j + 1] - local[p][j])
+                  for b, (p, j) in enumerate(batch) if p in jobs]  # fmt: skip
+        if routes:  # else: rows of finished shards only, nothing to write
+            rows = [ids[p][local[p][j] : local[p][j + 1]] for p, j in batch]
+            T = len(rows[0])  # longest first: the batch max
+            x = pipe.input_ids(rows, T)
+            f = compute_features(target, x, layer_ids=layer_ids)
+            stored = to_storage(f["aux"], f["final"], dtype)
+            del f, x
+            pipe.write_batch(routes, stored)
+            del stored
+            now = time.perf_counter()
+            for job, *_ in routes:  # each row: its batch's padded length, its share of the batch's time
+                job.padded += T
+                job.busy += (now - clock) / len(batch)
+            clock = now
+        for p in ends.get(bi, ()):
+            pipe.finish_shard(sp, jobs[p])
+
+
+def _extract_shard(
+    pipe: _Pipeline, target: TargetModel, sp: _Split, s: Shard, layer_ids: list[int], dtype: str, token_budget: int
+) -> None:
+    """One shard as a window of its own (batch_window 1; bench/extract_write_cpu.py drives this)."""
+    _extract_window(pipe, target, sp, [s], {s.g}, layer_ids, dtype, token_budget, sp.offsets.tolist())
 
 
 def _timed(fn: Callable[..., Any], *args: Any) -> float:
@@ -916,7 +1076,10 @@ def _finalize_shard(sp: _Split, job: _ShardJob) -> dict[str, Any]:
     try:
         for fut in job.writes:
             fut.result()
-        seconds = time.perf_counter() - job.t0
+        if job.busy is None or job.queued is None:
+            seconds = time.perf_counter() - job.t0
+        else:  # its share of the window's main-thread time, then the wait for its last writes
+            seconds = job.busy + time.perf_counter() - job.queued
         t1 = time.perf_counter()
         # The read-back hashes the bytes while they are still in the page cache; the fsync runs
         # alongside it. Both finish before the sidecar exists. The sha256 is of the whole file in
@@ -1090,30 +1253,31 @@ def run_extract(
     try:
         splits = [
             _open_split(campaign, n, shard_tokens=x.shard_tokens, world=world, plan_base=plan_base,
-                        tail_split=x.tail_split) for n in names
+                        tail_split=x.tail_split, batch_window=x.batch_window) for n in names
         ]
         # Disk forecast over every rank's unfinished shards (all ranks see the same directory).
         need = 0
-        todo: dict[str, list[Shard]] = {}
+        todo: dict[str, list[tuple[list[Shard], set[int]]]] = {}  # this rank's windows to compute + shards to write
         unfinished: dict[str, int] = {}  # shards of any rank unfinished at start, per split
         for sp in splits:
             sp.out_dir.mkdir(parents=True, exist_ok=True)
             for p in sp.out_dir.glob("*.done"):  # a leftover from another plan is refused up front
                 other = read_json(p) or {}
                 if other.get("plan_key") != sp.plan_key:
-                    raise SpecopsError(
-                        f"{sp.out_dir}: {p.name[:-5]} belongs to another extraction plan "
-                        f"({other.get('plan')}); this run's plan is {sp.plan}. Remove {sp.out_dir} to extract again."
-                    )
-            todo[sp.name] = []
+                    raise SpecopsError(sp.refusal(p.name[: -len(".done")], other.get("plan")))
             unfinished[sp.name] = 0
+            left: set[int] = set()  # global numbers of this rank's unfinished shards
             for s in sp.shards:
                 nbytes = shard_layout(s.n_tokens, s.n_samples, H, x.dtype)[2]
                 if sp.finished(s, nbytes) is None:
                     need += nbytes
                     unfinished[sp.name] += 1
                     if s.rank == rank:
-                        todo[sp.name].append(s)
+                        left.add(s.g)
+            # Windows over the rank's WHOLE shard list (a fixed function of the plan), then those
+            # with a shard to write: each is computed whole, with an uninterrupted run's batches.
+            windows = plan_windows([s for s in sp.shards if s.rank == rank], x.batch_window)
+            todo[sp.name] = [(win, {s.g for s in win} & left) for win in windows if any(s.g in left for s in win)]
         free = free_bytes(campaign.root / "features")
         if need > free:
             raise SpecopsError(
@@ -1133,16 +1297,18 @@ def run_extract(
 
         summary: dict[str, Any] = {"mode": "offline", "rank": rank, "world_size": world, "splits": {}}
         bpt = feature_bytes_per_token(H, x.dtype)
-        pipe = _Pipeline(target.device, x.token_budget) if target is not None else None
+        pipe = _Pipeline(target.device, x.token_budget, x.batch_window) if target is not None else None
         try:
             for sp in splits:
                 t0 = time.perf_counter()
                 dones: list[dict[str, Any]] = []  # sidecars of the shards this run finished, as they finish
                 try:
+                    offsets = sp.offsets.tolist()
                     with torch.inference_mode():
-                        for s in todo[sp.name]:
-                            assert pipe is not None
-                            _extract_shard(pipe, target, sp, s, layer_ids, x.dtype, x.token_budget)
+                        for window, write in todo[sp.name]:
+                            assert pipe is not None and target is not None
+                            _extract_window(pipe, target, sp, window, write, layer_ids, x.dtype, x.token_budget,
+                                            offsets)  # fmt: skip
                             dones += _log_finished(sp.name, pipe.take_done())
                     if pipe is not None:  # every shard of this rank finished before the barrier/index
                         dones += _log_finished(sp.name, pipe.join())
