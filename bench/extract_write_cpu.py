@@ -18,7 +18,7 @@ Each repeat runs, back to back on the same disk:
   hidden).
 
 `--eager-writeback on|off` forces the write path's eager writeback (sync_file_range after each
-written range; by default extract turns it on where >= 8 CPUs are usable), to compare the two in
+written range; off by default since session 7's H200 A/B, on with SPECOPS_EAGER_WRITEBACK=1), to compare the two in
 the same conditions; `--staged` takes the CUDA path's
 reused staging slots (here plain host buffers) instead of handing the features over directly.
 
@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--verify", action="store_true", help="check every sidecar sha256 against a read-back")
     ap.add_argument("--eager-writeback", choices=("auto", "on", "off"), default="auto",
                     help="start each written range's writeback at once (auto: extract's own choice, on where "
-                         ">= 8 CPUs are usable); off = leave it to each shard's fsync, as before")
+                         "SPECOPS_EAGER_WRITEBACK=1); off = leave it to each shard's fsync (the default)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)

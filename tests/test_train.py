@@ -505,6 +505,46 @@ def test_compiled_layer_regions_equal_eager(monkeypatch):
             torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_loss_and_layer_regions_equal_separate_eager(monkeypatch):
+    """CUDA, bf16 autocast as in training: the default step (fused lm_head + CE, compiled layer
+    regions, compiled loss) against the separate eager forms: same hits, loss and gradients within
+    bf16 rounding (each path rounds its own intermediates)."""
+    import specops.drafter.model as model_mod
+    import specops.drafter.train as train_mod
+
+    torch.manual_seed(1)
+    dev = torch.device("cuda")
+    drafter = Eagle3Drafter(DrafterConfig.debug()).to(dev)
+    head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
+    teacher = Teacher(head, drafter.d2t, final_prenorm=True, device=dev, dtype=torch.float32)
+    batch = _packed_batch(seed=3)[0].to(dev)
+    targets = teacher_targets(teacher, batch)
+    res = []
+    for new in (False, True):
+        regions = model_mod._LayerRegions()
+        regions.mode = "auto" if new else "0"
+        kernels = train_mod._LossKernels()
+        kernels.mode = "auto" if new else "0"
+        monkeypatch.setattr(model_mod, "LAYER_REGIONS", regions)
+        monkeypatch.setattr(train_mod, "LOSS_KERNELS", kernels)
+        monkeypatch.setattr(train_mod, "_FUSED_LOSS", new)
+        drafter.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = ttt_forward(drafter, batch, targets, steps=4, decay=0.8)
+        out.loss.backward()
+        assert not regions.failed and not kernels.failed
+        assert (len(regions.compiled), len(kernels.compiled)) == ((2, 1) if new else (0, 0))
+        res.append((out, {n: p.grad.float().clone() for n, p in drafter.named_parameters() if p.grad is not None}))
+    (o0, g0), (o1, g1) = res
+    torch.testing.assert_close(o1.loss.float(), o0.loss.float(), rtol=2e-2, atol=2e-2)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        scale = g0[n].abs().max().clamp_min(1e-6)
+        assert (g1[n] - g0[n]).abs().max() / scale < 0.05, n
+
+
 def test_compiled_loss_failure_falls_back_to_eager(monkeypatch, caplog):
     import specops.drafter.train as train_mod
 
