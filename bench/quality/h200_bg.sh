@@ -86,7 +86,7 @@ if [ -n "$benches" ]; then
     for arm in "0 0 before" "1 0 fused-loss" "1 auto fused-loss+layer"; do
       set -- $arm
       SPECOPS_FUSED_LOSS=$1 SPECOPS_COMPILE_LAYER=$2 python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 \
-        --vary-len 128 --seqs 256 --steps 16 --out "$W/results/bench-loss-ab-$3.json" > "$W/results/bench-loss-ab-$3.log" 2>&1
+        --vary-len 128 --seqs 128 --steps 16 --out "$W/results/bench-loss-ab-$3.json" > "$W/results/bench-loss-ab-$3.log" 2>&1
     done ;; esac
   case " $benches " in *" drafter-step "*)  # eval's drafter: eager vs static cache vs static + CUDA graph
     d=${QUALITY_DRAFTER:-$W/campaign/drafter/export/vllm}
