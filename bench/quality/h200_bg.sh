@@ -71,23 +71,22 @@ if [ -n "$benches" ]; then
       --out "$W/results/bench-local-engine.json" > "$W/results/bench-local-engine.log" 2>&1 ;; esac
   case " $benches " in *" extract "*)
     python3 bench/extract_gpu.py --writeback-ab --out "$W/results/bench-extract.json" > "$W/results/bench-extract.log" 2>&1 ;; esac
+  # SmolLM2-shaped training on varied lengths, one run per arm: train_arms NAME SEQS "ENV=V ... LABEL"...
+  train_arms() {
+    local name=$1 seqs=$2 arm; shift 2
+    for arm in "$@"; do
+      env ${arm% *} python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs "$seqs" --steps 16 \
+        --out "$W/results/bench-$name-${arm##* }.json" > "$W/results/bench-$name-${arm##* }.log" 2>&1
+    done
+  }
   case " $benches " in *" train-ab "*)
-    for keep in 0 1; do
-      SPECOPS_SDPA_CUDNN=$keep python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 256 \
-        --steps 16 --out "$W/results/bench-train-ab-cudnn$keep.json" > "$W/results/bench-train-ab-cudnn$keep.log" 2>&1
-    done ;; esac
+    train_arms train-ab 256 "SPECOPS_SDPA_CUDNN=0 cudnn0" "SPECOPS_SDPA_CUDNN=1 cudnn1" ;; esac
   case " $benches " in *" ttt-ab "*)  # session 5's trainer changes, one at a time (drafter/model.py, train.py)
-    for arm in "1 0 before" "0 0 attn" "0 auto attn+loss"; do
-      set -- $arm
-      SPECOPS_TTT_DENSE=$1 SPECOPS_COMPILE_LOSS=$2 python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 \
-        --vary-len 128 --seqs 256 --steps 16 --out "$W/results/bench-ttt-ab-$3.json" > "$W/results/bench-ttt-ab-$3.log" 2>&1
-    done ;; esac
+    train_arms ttt-ab 256 "SPECOPS_TTT_DENSE=1 SPECOPS_COMPILE_LOSS=0 before" "SPECOPS_TTT_DENSE=0 SPECOPS_COMPILE_LOSS=0 attn" \
+      "SPECOPS_TTT_DENSE=0 SPECOPS_COMPILE_LOSS=auto attn+loss" ;; esac
   case " $benches " in *" loss-ab "*)  # session 7's trainer changes, one at a time (drafter/train.py, model.py)
-    for arm in "0 0 before" "1 0 fused-loss" "1 auto fused-loss+layer"; do
-      set -- $arm
-      SPECOPS_FUSED_LOSS=$1 SPECOPS_COMPILE_LAYER=$2 python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 \
-        --vary-len 128 --seqs 128 --steps 16 --out "$W/results/bench-loss-ab-$3.json" > "$W/results/bench-loss-ab-$3.log" 2>&1
-    done ;; esac
+    train_arms loss-ab 128 "SPECOPS_FUSED_LOSS=0 SPECOPS_COMPILE_LAYER=0 before" \
+      "SPECOPS_FUSED_LOSS=1 SPECOPS_COMPILE_LAYER=0 fused-loss" "SPECOPS_FUSED_LOSS=1 SPECOPS_COMPILE_LAYER=auto fused-loss+layer" ;; esac
   case " $benches " in *" drafter-step "*)  # eval's drafter: eager vs static cache vs static + CUDA graph
     d=${QUALITY_DRAFTER:-$W/campaign/drafter/export/vllm}
     python3 bench/drafter_step.py $( [ -f "$d/config.json" ] && echo --drafter "$d" ) --rounds 400 \
