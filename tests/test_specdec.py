@@ -804,3 +804,24 @@ def test_target_runner_passes_the_cache_under_the_forward_signature_name():
         r.forward(torch.zeros(1, 3, dtype=torch.long), marker, 0, aux=False)
         assert seen.get(name) is marker and r.cache_kw == name
         assert not ({"cache", "past_key_values"} - {name}) & {k for k, v in seen.items() if v is marker}
+
+
+def test_speedup_by_k_cuts_the_accepted_counts():
+    """speedup_by_k: tau(k') = mean(1 + min(accepted, k')) per target step, predicted speedup
+    tau(k') / (v + k'·c); at k' = k it is the run's own tau. Checked by hand on a 3-draft run."""
+    from specops.evaluate.specdec import speedup_by_k
+
+    # 10 steps: accepted 0 x4, 1 x3, 2 x2, 3 x1 -> tau(3) = (4*1 + 3*2 + 2*3 + 1*4) / 10 = 2.0
+    hist = [4, 3, 2, 1]
+    rows = speedup_by_k(hist, 0.1, 1.2)
+    assert [r["k"] for r in rows] == [1, 2, 3]
+    assert [round(r["tau"], 6) for r in rows] == [1.6, 1.9, 2.0]
+    assert [round(r["predicted_speedup"], 6) for r in rows] == [round(1.6 / 1.3, 6), round(1.9 / 1.4, 6),
+                                                                 round(2.0 / 1.5, 6)]
+    assert speedup_by_k(hist, None, 1.2) is None and speedup_by_k([0, 0], 0.1, None) is None
+    assert speedup_by_k(hist, 0.1, None)[0]["predicted_speedup"] == 1.6 / 1.1  # no baseline: v = 1
+    accepted = [0] * 4 + [1] * 3 + [2] * 2 + [3]
+    spec = {"accepted": accepted, "position_reached": [10, 6, 3], "position_accepted": [6, 3, 1],
+            "target_step_s": [0.01] * 10, "drafter_step_s": [0.001] * 10, "new_tokens": 20, "wall_s": 1.0}
+    m = summarize([{"spec": spec}], 3)
+    assert m["speedup_by_k"][-1]["tau"] == m["tau"] == 2.0

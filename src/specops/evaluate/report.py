@@ -421,6 +421,14 @@ def write_report(campaign: Campaign | str | Path) -> tuple[Path, Path]:
         md += [t_md, ""]
         hb.append(t_html)
         na = summary.get("speedup_unavailable") or summary["overall"].get("speedup_unavailable")
+        by_k = summary["overall"].get("speedup_by_k")
+        if by_k and not na:
+            best = max(by_k, key=lambda r: r["predicted_speedup"])
+            note = ("Predicted for shorter chains (this run's accepted counts cut at k', its c and verify "
+                    "cost): " + ", ".join(f"k={r['k']} {r['predicted_speedup']:.2f}x" for r in by_k)
+                    + f"; best k = {best['k']} (tau {best['tau']:.2f}).")
+            md += [note, ""]
+            hb.append(f"<p>{html.escape(note)}</p>")
         if na:
             note = (f"Measured speedup, speculative and target-only tokens/s: not reported ({na}; this eval ran "
                     f"{summary.get('workers', '?')} workers on one device). tau and acceptance are exact; step "

@@ -526,6 +526,7 @@ def summarize(rows: list[dict[str, Any]], k: int, *, speedup_unavailable: str | 
     for a in accepted:
         hist[a] += 1
     same = [r["identical"] for r in rows if r.get("identical") is not None]
+    v = t_ms / mean(b_steps) if t_ms and b_steps else None
     return {
         "turns": len(rows),
         "target_steps": steps,
@@ -540,15 +541,36 @@ def summarize(rows: list[dict[str, Any]], k: int, *, speedup_unavailable: str | 
         "drafter_step_ms": d_ms * 1e3 if d_ms is not None else None,
         "baseline_step_ms": mean(b_steps) * 1e3 if b_steps else None,
         # a verification (k+1 tokens) over a one-token decode step: why measured < ideal on compute-bound hardware
-        "verify_over_decode": t_ms / mean(b_steps) if t_ms and b_steps else None,
+        "verify_over_decode": v,
         "cost_ratio_c": c,
         "ideal_speedup": tau / (1 + k * c) if tau is not None and c is not None else None,
+        "speedup_by_k": speedup_by_k(hist, c, v),
         "spec_tokens_per_s": spec_tps,
         "baseline_tokens_per_s": base_tps,
         "measured_speedup": spec_tps / base_tps if spec_tps and base_tps else None,
         "speedup_unavailable": speedup_unavailable,
         "identical_to_baseline": (sum(same) / len(same)) if same else None,
     }
+
+
+def speedup_by_k(hist: list[int], c: float | None, verify_over_decode: float | None) -> list[dict[str, Any]] | None:
+    """What a shorter chain would give, from one run at k: for each k' in 1..k, tau(k') and the
+    predicted speedup tau(k') / (v + k'·c).
+
+    tau(k') = mean over target steps of 1 + min(accepted, k'), from the accepted-count histogram:
+    a chain cut at k' drafts the same first k' tokens (exact at T=0 on the same steps). v is the
+    verify-over-decode ratio measured at k + 1 tokens (1.0 when no baseline ran), an upper bound
+    for the shorter verifies, so the prediction errs low for k' < k.
+    """
+    steps = sum(hist)
+    if not steps or c is None:
+        return None
+    v = verify_over_decode if verify_over_decode is not None else 1.0
+    out = []
+    for kk in range(1, len(hist)):
+        tau = sum(n * (1 + min(a, kk)) for a, n in enumerate(hist)) / steps
+        out.append({"k": kk, "tau": tau, "predicted_speedup": tau / (v + kk * c)})
+    return out
 
 
 # ---------------------------------------------------------------- loading
@@ -1056,6 +1078,7 @@ def _run(cfg: Config, evals: list[DatasetSection], sources: dict[str, Any], seen
             "cost_ratio_c": "drafter time per draft token / target verification step time",
             "ideal_speedup": "tau / (1 + k·c), which assumes a verification costs one decode step",
             "verify_over_decode": "verification step time / one-token decode step time",
+            "speedup_by_k": "per k' <= k: tau(k') = mean(1 + min(accepted, k')) and tau(k') / (verify_over_decode + k'·c)",
             "measured_speedup": "speculative tokens/s / in-process target-only tokens/s (wall clock, prefill included)",
             "workers": "processes sharing the device; > 1: tokens/s and measured speedup are null "
                        "(speedup_unavailable), step times are measured with the device shared",
