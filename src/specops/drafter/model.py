@@ -55,13 +55,15 @@ class _LayerRegions:
     kernels forward and more backward. Two regions around the attention core (`_mid_pre`: norms,
     concat, q/k/v projections and RoPE; `_mid_post`: o_proj, residuals, the MLP) are compiled with
     dynamic shapes (one compile per region, whatever the batch's B and T); the attention core stays
-    eager (its form changes with the step). SPECOPS_COMPILE_LAYER: "auto" (default: on CUDA), "1"
-    (also on CPU: tests), "0" (never). A compile or call that raises turns it off for the process
-    with a warning, and the eager form computes the step (same math).
+    eager (its form changes with the step). SPECOPS_COMPILE_LAYER: "0" (default: never), "auto" (on
+    CUDA), "1" (also on CPU: tests). A compile or call that raises turns it off for the process
+    with a warning, and the eager form computes the step (same math). Off by default since session
+    7's real H200 run: with it and the fused loss on, training ran at ~2K tok/s (165K without),
+    while synthetic features ran at full speed (bench/results/h200-2026-12-03f/diagnosis.txt).
     """
 
     def __init__(self) -> None:
-        self.mode = os.environ.get("SPECOPS_COMPILE_LAYER", "auto")
+        self.mode = os.environ.get("SPECOPS_COMPILE_LAYER", "0")
         self.failed = False
         self.compiled: dict[Any, Any] = {}
 

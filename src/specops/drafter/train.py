@@ -58,9 +58,13 @@ log = logging.getLogger("specops.train")
 
 FEATURES_FORMAT = "specops-features-v1"
 _TTT_DENSE = os.environ.get("SPECOPS_TTT_DENSE", "0") == "1"
-# The lm_head + soft cross-entropy of each TTT step as one autograd node (`linear_soft_ce`); "0": the
-# earlier form (lm_head through autograd, then `soft_cross_entropy`), for A/B benchmarks.
-_FUSED_LOSS = os.environ.get("SPECOPS_FUSED_LOSS", "1") != "0"
+# The lm_head + soft cross-entropy of each TTT step as one autograd node (`linear_soft_ce`) with
+# SPECOPS_FUSED_LOSS=1; by default the separate form (lm_head through autograd, then
+# `soft_cross_entropy`). Off by default: on session 7's real H200 run, this together with the
+# compiled layer regions trained at ~2K tok/s against 165K for the separate form, though each ran
+# at full speed on synthetic features (bench/results/h200-2026-12-03f/diagnosis.txt); not yet
+# known which of the two does it.
+_FUSED_LOSS = os.environ.get("SPECOPS_FUSED_LOSS", "0") == "1"
 FeaturesFn = Callable[[list[torch.Tensor]], dict[str, Any]]
 
 
