@@ -424,17 +424,20 @@ def _ce_backward(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, 
 
 
 def _ce_fused(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, tgt: torch.Tensor):
-    """One pass over [n, Vd]: (sum of the rows' soft CE, d ce_i / d logits_i per row, #argmax hits).
+    """One pass over [n, Vd]: (soft CE per row, d ce_i / d logits_i per row, argmax hit per row).
 
     ce_i = sum_v p_iv (lse_i - x_iv); d ce_i / d x_i = softmax(x_i) · sum_v p_iv - p_i, which is
-    softmax(x_i) - p_i as teacher rows are softmaxes (sum to 1). Math in fp32 (fp64 stays fp64)."""
+    softmax(x_i) - p_i as teacher rows are softmaxes (sum to 1). Math in fp32 (fp64 stays fp64).
+    Row reductions only: the sums over rows happen outside, eagerly. A full reduction to a scalar
+    inside a dynamic-shape graph can compile to a single-block kernel when the first call's size
+    hint was small (a suspect for session 7's real-data slowdown: diagnosis.txt in
+    bench/results/h200-2026-12-03f)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     p = p_all[rows]
     lse = torch.logsumexp(x, -1, keepdim=True)
-    ce = (p * (lse - x)).sum()
+    ce = (p * (lse - x)).sum(-1)
     grad = (torch.exp(x - lse) - p).to(logits.dtype)
-    correct = (x.argmax(-1) == tgt).sum()
-    return ce, grad, correct
+    return ce, grad, x.argmax(-1) == tgt
 
 
 class _LossKernels:
@@ -532,8 +535,9 @@ class _LinearSoftCE(torch.autograd.Function):
         hc, wc = h.to(dt), weight.to(dt)
         with torch.autocast(dev, enabled=False):
             logits = hc @ wc.T  # [n, Vd]
-            ce_sum, grad, correct = LOSS_KERNELS.fused(logits, p_all, rows, tgt)
-        del logits
+            ce, grad, hit = LOSS_KERNELS.fused(logits, p_all, rows, tgt)
+            ce_sum, correct = ce.sum(), hit.sum()
+        del logits, ce, hit
         ctx.save_for_backward(grad, hc, wc)
         ctx.scale = scale
         ctx.dtypes = (h.dtype, weight.dtype)
