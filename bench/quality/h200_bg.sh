@@ -55,6 +55,8 @@ echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 #   ttt-ab: the same, before session 5 (dense TTT attention, eager loss), with block 0 + probe
 #           attention, and with the compiled loss too (SPECOPS_TTT_DENSE, SPECOPS_COMPILE_LOSS)
 #   drafter-step: eval's drafter runners (eager, static, static + CUDA graph), bench/drafter_step.py
+#   train-real-ab: the trainer's forms (session 7's fused loss, compiled layer regions) on the real
+#                  campaign's features, 60 steps each (bench/train_real_ab.py); needs the features
 #   loss-ab: SmolLM2-shaped training before session 7, with the fused lm_head + soft CE, and with the
 #            drafter layer's compiled regions too (SPECOPS_FUSED_LOSS, SPECOPS_COMPILE_LAYER)
 #   train-prof: a torch.profiler table of a SmolLM2-shaped training run (host and device time)
@@ -63,8 +65,15 @@ benches=${QUALITY_BENCHES-local-engine extract train}
 if [ -n "$benches" ]; then
   # 64 GB of disk; done with once the anchor has its result (a failed anchor keeps them, so that a
   # later call can rerun it without extracting again)
-  [ -f "$W/results/anchor.json" ] && rm -rf "$W/anchor/data" "$W/campaign/features"
   cd "$repo"
+  case " $benches " in *" train-real-ab "*)  # trainer forms on the real features (before the features go)
+    python3 bench/train_real_ab.py "$W/ours.toml" --work "$W/train-ab" --steps 60 --log-every 5 --timeout 100 \
+      --recompiles --out "$W/results/bench-train-real-ab.json" \
+      --arm before SPECOPS_FUSED_LOSS=0 SPECOPS_COMPILE_LAYER=0 --arm fused-loss SPECOPS_FUSED_LOSS=1 SPECOPS_COMPILE_LAYER=0 \
+      --arm layer SPECOPS_FUSED_LOSS=0 SPECOPS_COMPILE_LAYER=auto --arm both SPECOPS_FUSED_LOSS=1 SPECOPS_COMPILE_LAYER=auto \
+      > "$W/results/bench-train-real-ab.log" 2>&1
+    cp "$W"/train-ab/*.log "$W/results/" 2>/dev/null ;; esac
+  [ -f "$W/results/anchor.json" ] && rm -rf "$W/anchor/data" "$W/campaign/features"
   case " $benches " in *" local-engine "*)
     hf=$(dirname "$(ls /root/cache/models/*/config.json | head -1)")
     python3 bench/local_engine_gpu.py --tokenizer "$hf" --model "$hf" --batch 256 --hf-batch 64 \

@@ -1,0 +1,109 @@
+"""Benchmark `train` forms on REAL features: one short `specops train` per arm on an existing campaign.
+
+Session 7's fused lm_head + loss and compiled layer regions ran at full speed on the synthetic
+features of bench/train_gpu.py and ~60x slower on the real SmolLM2 campaign
+(bench/results/h200-2026-12-03f/diagnosis.txt), so trainer changes are measured here on the real
+thing. Each arm trains in its own campaign dir whose build/ and features/ are links to the given
+campaign's (nothing copied, nothing of the original touched), with the arm's environment
+(SPECOPS_FUSED_LOSS, SPECOPS_COMPILE_LAYER, ...), for --steps optimizer steps, logging every
+--log-every steps; the rate is the steady one (windows after the first, as the quality run reads it:
+bench/quality/speculators_train.py `specops_rate`). An arm past --timeout is killed and its rate is
+read from the windows it logged. --recompiles adds TORCH_LOGS=recompiles and counts them.
+
+    python bench/train_real_ab.py CONFIG.toml --out ab.json [--steps 60] [--log-every 5] [--timeout 150] \
+        --arm before SPECOPS_FUSED_LOSS=0 SPECOPS_COMPILE_LAYER=0 \
+        --arm fused SPECOPS_FUSED_LOSS=1 SPECOPS_COMPILE_LAYER=0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "bench" / "quality"))
+
+from speculators_train import specops_rate  # noqa: E402
+
+from specops.config import dump_toml, load_config  # noqa: E402
+
+
+def arm_config(base_path: Path, work: Path, label: str, steps: int, log_every: int) -> Path:
+    """A copy of the campaign's config for one arm: its own campaign dir linking build/ and features/."""
+    import tomllib
+
+    cfg = tomllib.loads(base_path.read_text())
+    src = Path(cfg["campaign"]["dir"]).resolve()
+    camp = work / f"ab-{label}"
+    camp.mkdir(parents=True, exist_ok=True)
+    for sub in ("build", "features"):
+        if not (src / sub).is_dir():
+            raise SystemExit(f"{src / sub}: missing (run build and extract first)")
+        link = camp / sub
+        if not link.is_symlink():
+            link.symlink_to(src / sub, target_is_directory=True)
+    cfg["campaign"] = {**cfg["campaign"], "name": f"{cfg['campaign'].get('name', 'c')}-ab-{label}", "dir": str(camp)}
+    # total_steps = the arm's steps: small campaigns run that long too (epochs repeat); the lr
+    # schedule follows, which does not matter for a rate
+    cfg.setdefault("train", {}).update({"log_every": log_every, "eval_every": 10 ** 7, "checkpoint_every": 10 ** 7,
+                                        "total_steps": steps})
+    path = work / f"ab-{label}.toml"
+    path.write_text(dump_toml(cfg))
+    load_config(path)  # refuse a bad config here, not inside the timed run
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", type=Path, help="the campaign's config (its campaign.dir holds build/ and features/)")
+    ap.add_argument("--arm", nargs="+", action="append", required=True, metavar=("LABEL", "ENV=VALUE"),
+                    help="one arm: a label, then environment assignments")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per arm")
+    ap.add_argument("--work", type=Path, help="where the arms' campaign dirs go (default: next to the config)")
+    ap.add_argument("--recompiles", action="store_true", help="TORCH_LOGS=recompiles; count them per arm")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    work = (a.work or a.config.resolve().parent / "train-ab").resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for label, *assigns in a.arm:
+        env = dict(os.environ)
+        for kv in assigns:
+            k, sep, v = kv.partition("=")
+            if not sep:
+                raise SystemExit(f"--arm {label}: {kv!r} is not ENV=VALUE")
+            env[k] = v
+        if a.recompiles:
+            env["TORCH_LOGS"] = "recompiles"
+        cfg = arm_config(a.config, work, label, a.steps, a.log_every)
+        log = work / f"ab-{label}.log"
+        t0 = time.time()
+        with open(log, "w") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "specops", "train", str(cfg), "--max-steps", str(a.steps)],
+                                    stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=a.timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                rc = "timeout"
+                proc.wait()
+        rate = specops_rate(work / f"ab-{label}")
+        text = log.read_text(errors="replace")
+        results[label] = {"env": assigns, "rc": rc, "wall_s": round(time.time() - t0, 1), **rate,
+                          "recompiles": text.count("Recompiling function") if a.recompiles else None,
+                          "warnings": [ln for ln in text.splitlines() if "WARNING" in ln][:5]}
+        print(label, json.dumps({k: results[label].get(k) for k in ("rc", "steps", "tokens_per_s", "recompiles")}),
+              flush=True)
+    a.out.write_text(json.dumps({"config": str(a.config), "steps": a.steps, "arms": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
