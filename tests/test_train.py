@@ -627,6 +627,55 @@ def test_make_batches_budget_and_determinism():
 BASE = {"ttt_steps": 3, "lr": 3e-3, "warmup_steps": 5, "log_every": 1, "max_grad_norm": 1.0, "seed": 7}
 
 
+def test_heartbeat_carries_step_rate_and_eta_and_status_shows_them(tiny, tmp_path, monkeypatch):
+    """Training heartbeats at least every HEARTBEAT_S of wall time whatever log_every is (here 0 s
+    and log_every 1000: the time-based ones only), each with the step, steps/s, tokens/s and the ETA;
+    `specops status` on a campaign whose lock is held shows `train: step s/N`, the rate and the ETA
+    instead of generate's counters."""
+    import specops.drafter.train as train_mod
+    from specops.campaign import RunLock
+    from specops.status import collect, render
+
+    cfg = {**BASE, "total_steps": 6, "batch_tokens": 256, "log_every": 1000, "eval_every": 1000,
+           "checkpoint_every": 1000}
+    camp = make_campaign(tmp_path, tiny["target"], cfg)
+    write_features(tiny["model"], tiny["train"][:4], camp / "features" / "train")
+    write_build({"train": tiny["train"][:4]}, camp / "build")
+    c = Campaign(camp)
+    beats = []
+    real = train_mod._Trainer.heartbeat
+
+    def record(self, step, state, tokens_per_s, steps_per_s=None):
+        real(self, step, state, tokens_per_s, steps_per_s)
+        beats.append(json.loads(c.heartbeat_path.read_text()))
+
+    monkeypatch.setattr(train_mod, "HEARTBEAT_S", 0.0)
+    monkeypatch.setattr(train_mod._Trainer, "heartbeat", record)
+    run_train(load_config(camp.parent / "c.toml"), c)
+    running = [b for b in beats if b["state"] == "running" and b["window"]["steps_per_s"]]
+    assert [b["step"] for b in running] == list(range(1, 7)), beats
+    for b in running:
+        assert b["phase"] == "train" and b["total_steps"] == 6 and b["window"]["tokens_per_s"] > 0
+        assert b["eta_s"] == pytest.approx((6 - b["step"]) / b["window"]["steps_per_s"], abs=0.1)
+    assert beats[-1]["state"] == "finished"
+
+    # status while "running": the heartbeat of step 2, the lock held by this process
+    hb = dict(running[1], ts=time.time())
+    c.heartbeat_path.write_text(json.dumps(hb))
+    lock = RunLock(c, "train").acquire()
+    try:
+        rep = collect(camp)
+    finally:
+        lock.release()
+    assert rep.state == "running" and rep.data["train"]["step"] == 2 and rep.data["remaining"] == 4
+    assert rep.data["eta_s"] == pytest.approx(hb["eta_s"], abs=0.1)
+    from rich.console import Console
+
+    con = Console(width=200, record=True)
+    con.print(render(rep))
+    assert "train: step 2/6 (33%)" in con.export_text()
+
+
 def test_overfit_loss_falls_and_tau_near_k_plus_1(tiny, tmp_path):
     """4 sequences, train == val: the drafter memorises them; simulated tau -> K + 1 = 4."""
     cfg = {**BASE, "total_steps": 150, "batch_tokens": 256, "eval_every": 150, "checkpoint_every": 1000}

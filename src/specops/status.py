@@ -105,6 +105,14 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
     tps = window.get("tokens_per_s")
     remaining = sum(d["remaining"] or 0 for d in datasets.values())
     eta = remaining / sps if sps and remaining else (0.0 if remaining == 0 else None)
+    # Training writes its own heartbeat (drafter/train.py): steps, not samples, are what is left.
+    train = None
+    if hb.get("phase") == "train" and hb.get("total_steps"):
+        train = {"step": hb.get("step"), "total_steps": hb["total_steps"], "tokens_per_s": tps,
+                 "steps_per_s": window.get("steps_per_s"), "eta_s": hb.get("eta_s"), "state": hb.get("state")}
+        if alive:
+            remaining = max(0, hb["total_steps"] - (hb.get("step") or 0))
+            eta = hb.get("eta_s")
     in_flight = sum(d["in_flight"] for d in datasets.values())
     started = hb.get("started")
     done_total = sum(d["done"] for d in datasets.values())
@@ -159,6 +167,7 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
         },
         "remaining": remaining,
         "eta_s": None if eta is None else round(eta, 1),
+        "train": train,
         "error_rate": _error_rate(datasets),
         "disk": {"path": str(camp.root), "free_bytes": du.free, "total_bytes": du.total,
                  "forecast_pending_bytes": forecast},
@@ -216,10 +225,17 @@ def render(report: StatusReport):
     if d.get("heartbeat_age_s") is not None:
         head.append(f"  heartbeat {d['heartbeat_age_s']:.0f}s ago")
     w = d.get("window", {})
-    if w.get("samples_per_s") is not None:
-        head.append(f"\nrate: {w['samples_per_s']:.2f} samples/s, {w['tokens_per_s']:.0f} tok/s "
-                    f"(last {w['seconds']:.0f}s)")
-    head.append(f"  remaining {d.get('remaining', '-')}, ETA {_fmt_eta(d.get('eta_s'))}")
+    tr = d.get("train")
+    if tr and d.get("alive"):
+        pct = f" ({tr['step'] / tr['total_steps']:.0%})" if tr.get("step") is not None else ""
+        rate = f", {tr['tokens_per_s']:,.0f} tok/s" if tr.get("tokens_per_s") is not None else ""
+        head.append(f"\ntrain: step {tr.get('step', '-')}/{tr['total_steps']}{pct}{rate}, "
+                    f"ETA {_fmt_eta(tr.get('eta_s'))}")
+    else:
+        if w.get("samples_per_s") is not None:
+            head.append(f"\nrate: {w['samples_per_s']:.2f} samples/s, {w['tokens_per_s']:.0f} tok/s "
+                        f"(last {w['seconds']:.0f}s)")
+        head.append(f"  remaining {d.get('remaining', '-')}, ETA {_fmt_eta(d.get('eta_s'))}")
     if d.get("error_rate") is not None:
         head.append(f"  error rate {d['error_rate']:.1%}")
     free = d["disk"]["free_bytes"] / 1e9

@@ -58,6 +58,7 @@ log = logging.getLogger("specops.train")
 
 FEATURES_FORMAT = "specops-features-v1"
 _TTT_DENSE = os.environ.get("SPECOPS_TTT_DENSE", "0") == "1"
+HEARTBEAT_S = 10.0  # the longest wall time between two training heartbeats (maybe_heartbeat)
 # The lm_head + soft cross-entropy of each TTT step as one autograd node (`linear_soft_ce`) with
 # SPECOPS_FUSED_LOSS=1; by default the separate form (lm_head through autograd, then
 # `soft_cross_entropy`). Off by default: on session 7's real H200 run, this together with the
@@ -1029,13 +1030,27 @@ class _Trainer:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def heartbeat(self, step: int, state: str, tokens_per_s: float | None) -> None:
+    def heartbeat(self, step: int, state: str, tokens_per_s: float | None, steps_per_s: float | None = None) -> None:
+        """run/heartbeat.json for `specops status`: the step, the rates of the last interval and the ETA."""
         now = time.time()
+        left = max(0, self.total_steps - step)
         atomic_write_json(self.campaign.heartbeat_path, {
             "pid": os.getpid(), "phase": "train", "state": state, "ts": now, "iso": now_iso(),
             "started": self.started, "step": step, "total_steps": self.total_steps,
-            "window": {"tokens_per_s": tokens_per_s},
+            "window": {"tokens_per_s": tokens_per_s, "steps_per_s": steps_per_s},
+            "eta_s": round(left / steps_per_s, 1) if steps_per_s else (0.0 if not left else None),
         }, fsync=False)
+
+    def maybe_heartbeat(self, step: int, tokens_seen: int) -> None:
+        """A heartbeat at least every HEARTBEAT_S of wall time, whatever log_every is (host clock and
+        host-side counts: no device sync). Session 7 saw a slow run go 3 minutes between heartbeats,
+        and status then could neither tell it from a hung one nor give an ETA."""
+        now = time.time()
+        t, s0, tok0 = self._hb or (self.started, 0, 0)
+        if now - t < HEARTBEAT_S or step <= s0:
+            return
+        self.heartbeat(step, "running", (tokens_seen - tok0) / (now - t), (step - s0) / (now - t))
+        self._hb = (now, step, tokens_seen)
 
     # -------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -1068,6 +1083,7 @@ class _Trainer:
         K = tc.ttt_steps
         rank0 = dist.rank == 0
         self.started = time.time()
+        self._hb: tuple[float, int, int] | None = None  # the last heartbeat's (time, step, tokens)
         self.dir.mkdir(parents=True, exist_ok=True)
         step, epoch, micro_in_epoch, tokens_seen = 0, 0, 0, 0
         resumed_from = None
@@ -1095,6 +1111,9 @@ class _Trainer:
 
         window = torch.zeros(2 + 3 * K, dtype=torch.float64, device=self.device)  # loss, tokens, ce/correct/count
         win_steps, win_t0 = 0, time.time()
+        self._hb = (win_t0, step, tokens_seen)  # rates from here (a resumed run starts mid-way)
+        if rank0:
+            self.heartbeat(step, "running", None)
         last_ckpt = step if resumed_from is not None else None
         val = None
         # Offline features: read ahead on a thread (two optimizer steps' micro-batches in flight).
@@ -1151,6 +1170,8 @@ class _Trainer:
                     tokens_seen += step_tokens
                     stopping = stop.signum is not None
 
+                if rank0:
+                    self.maybe_heartbeat(step, tokens_seen)
                 if step % tc.log_every == 0 or step == stop_at:
                     w = dist.all_sum(window.clone()).cpu().tolist()
                     dt = max(time.time() - win_t0, 1e-9)
@@ -1165,7 +1186,6 @@ class _Trainer:
                     }
                     if rank0:
                         self.write_metrics(row)
-                        self.heartbeat(step, "running", row["tokens_per_s"])
                         log.info("step %d/%d loss %.4f acc0 %.3f lr %.2e %.0f tok/s", step, self.total_steps,
                                  row["loss"], row["acc"][0], lr, row["tokens_per_s"])
                     window.zero_()
