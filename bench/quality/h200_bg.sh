@@ -96,9 +96,6 @@ if [ -n "$benches" ]; then
   case " $benches " in *" loss-ab "*)  # session 7's trainer changes, one at a time (drafter/train.py, model.py)
     train_arms loss-ab 128 "SPECOPS_FUSED_LOSS=0 SPECOPS_COMPILE_LAYER=0 before" \
       "SPECOPS_FUSED_LOSS=1 SPECOPS_COMPILE_LAYER=auto fused-loss+layer" ;; esac
-  case " $benches " in *" loss-ab3 "*)  # the same with the fused loss alone in between
-    train_arms loss-ab 128 "SPECOPS_FUSED_LOSS=0 SPECOPS_COMPILE_LAYER=0 before" \
-      "SPECOPS_FUSED_LOSS=1 SPECOPS_COMPILE_LAYER=0 fused-loss" "SPECOPS_FUSED_LOSS=1 SPECOPS_COMPILE_LAYER=auto fused-loss+layer" ;; esac
   case " $benches " in *" drafter-step "*)  # eval's drafter: eager vs static cache vs static + CUDA graph
     d=${QUALITY_DRAFTER:-$W/campaign/drafter/export/vllm}
     python3 bench/drafter_step.py $( [ -f "$d/config.json" ] && echo --drafter "$d" ) --rounds 400 \

@@ -46,24 +46,15 @@ _MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, 
 _KEEP_CUDNN = os.environ.get("SPECOPS_SDPA_CUDNN", "0") == "1"
 
 
-class _LayerRegions:
-    """The drafter layer's elementwise-heavy parts in training's unroll, fused by torch.compile.
+class CompiledOrEager:
+    """Small functions run through torch.compile (dynamic shapes, one compile each per process) or
+    eagerly, by an environment switch: "auto" (compile on CUDA), "1" (also on CPU: tests), "0"
+    (never). A compile or call that raises turns compiling off for the process with a warning, and
+    the eager function computes that call (the same math)."""
 
-    A SmolLM2-sized training step on the H200 issued ~1,950 kernel launches and spent more host
-    time than device time (bench/results/h200-2026-12-03e/train-prof.txt): per TTT step the three
-    RMSNorms (fp32 statistics), RoPE, the concat, SiLU-gate and residual adds are each several small
-    kernels forward and more backward. Two regions around the attention core (`_mid_pre`: norms,
-    concat, q/k/v projections and RoPE; `_mid_post`: o_proj, residuals, the MLP) are compiled with
-    dynamic shapes (one compile per region, whatever the batch's B and T); the attention core stays
-    eager (its form changes with the step). SPECOPS_COMPILE_LAYER: "0" (default: never), "auto" (on
-    CUDA), "1" (also on CPU: tests). A compile or call that raises turns it off for the process
-    with a warning, and the eager form computes the step (same math). Off by default since session
-    7's real H200 run: with it and the fused loss on, training ran at ~2K tok/s (165K without),
-    while synthetic features ran at full speed (bench/results/h200-2026-12-03f/diagnosis.txt).
-    """
-
-    def __init__(self) -> None:
-        self.mode = os.environ.get("SPECOPS_COMPILE_LAYER", "0")
+    def __init__(self, env: str, default: str, what: str) -> None:
+        self.mode = os.environ.get(env, default)
+        self.what = what
         self.failed = False
         self.compiled: dict[Any, Any] = {}
 
@@ -73,6 +64,10 @@ class _LayerRegions:
         return self.mode == "1" or t.device.type == "cuda"
 
     def run(self, fn: Any, *args: Any) -> Any:
+        """fn(*args), compiled when `use` says so for the first tensor argument."""
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None or not self.use(first):
+            return fn(*args)
         try:
             if fn not in self.compiled:
                 self.compiled[fn] = torch.compile(fn, dynamic=True)
@@ -82,9 +77,27 @@ class _LayerRegions:
             import logging
 
             logging.getLogger("specops.train").warning(
-                "train: the compiled drafter layer failed (%s: %s); the eager layer runs from now on",
-                type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                "train: the compiled %s failed (%s: %s); the eager %s runs from now on", self.what,
+                type(e).__name__, str(e).splitlines()[0] if str(e) else "", self.what)
             return fn(*args)
+
+
+class _LayerRegions(CompiledOrEager):
+    """The drafter layer's elementwise-heavy parts in training's unroll, fused by torch.compile.
+
+    A SmolLM2-sized training step on the H200 issued ~1,950 kernel launches and spent more host
+    time than device time (bench/results/h200-2026-12-03e/train-prof.txt): per TTT step the three
+    RMSNorms (fp32 statistics), RoPE, the concat, SiLU-gate and residual adds are each several small
+    kernels forward and more backward. Two regions around the attention core (`_mid_pre`: norms,
+    concat, q/k/v projections and RoPE; `_mid_post`: o_proj, residuals, the MLP) are compiled with
+    dynamic shapes; the attention core stays eager (its form changes with the step).
+    SPECOPS_COMPILE_LAYER: "0" (default), "auto", "1" (CompiledOrEager). Off by default since
+    session 7's real H200 run: with it and the fused loss on, training ran at ~2K tok/s (165K
+    without), while synthetic features ran at full speed (bench/results/h200-2026-12-03f/diagnosis.txt).
+    """
+
+    def __init__(self) -> None:
+        super().__init__("SPECOPS_COMPILE_LAYER", "0", "drafter layer")
 
 
 LAYER_REGIONS = _LayerRegions()
@@ -441,13 +454,11 @@ class MidLayer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
 
     def forward(self, embeds, hidden, cos, sin, attn_mask, past_kv, ttt=False):
-        if ttt and LAYER_REGIONS.use(hidden):  # training's unroll: the two regions compiled (_LayerRegions)
-            q, k, v, residual = LAYER_REGIONS.run(_mid_pre, self, embeds, hidden, cos, sin)
-            o = self.self_attn.core(q, (k, v), attn_mask, past_kv, ttt)
-            return LAYER_REGIONS.run(_mid_post, self, o, residual), (k, v)
-        q, k, v, residual = _mid_pre(self, embeds, hidden, cos, sin)
+        # training's unroll may compile the two regions around the attention core (_LayerRegions)
+        run = LAYER_REGIONS.run if ttt else (lambda fn, *args: fn(*args))
+        q, k, v, residual = run(_mid_pre, self, embeds, hidden, cos, sin)
         o = self.self_attn.core(q, (k, v), attn_mask, past_kv, ttt)
-        return _mid_post(self, o, residual), (k, v)
+        return run(_mid_post, self, o, residual), (k, v)
 
 
 def _mid_pre(layer: MidLayer, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

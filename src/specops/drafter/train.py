@@ -52,7 +52,7 @@ from torch import nn
 
 from ..campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json
 from ..errors import ConfigError, InputError, Interrupted
-from .model import DrafterConfig, Eagle3Drafter, count_parameters, default_aux_layer_ids
+from .model import CompiledOrEager, DrafterConfig, Eagle3Drafter, count_parameters, default_aux_layer_ids
 
 log = logging.getLogger("specops.train")
 
@@ -441,7 +441,7 @@ def _ce_fused(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, tgt
     return ce, grad, x.argmax(-1) == tgt
 
 
-class _LossKernels:
+class _LossKernels(CompiledOrEager):
     """The soft cross-entropy's forward and backward, eager or fused by torch.compile.
 
     Eagerly each is a chain of full passes over [n, Vd] in fp32 (cast, gather p_all[rows],
@@ -454,37 +454,17 @@ class _LossKernels:
     """
 
     def __init__(self) -> None:
-        self.mode = os.environ.get("SPECOPS_COMPILE_LOSS", "auto")
-        self.failed = False
-        self.compiled: dict[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] = {}
-
-    def _use(self, t: torch.Tensor) -> bool:
-        if self.failed or self.mode == "0":
-            return False
-        return self.mode == "1" or t.device.type == "cuda"
-
-    def _run(self, eager: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
-        if not self._use(args[0]):
-            return eager(*args)
-        try:
-            if eager not in self.compiled:
-                self.compiled[eager] = torch.compile(eager, dynamic=True)
-            return self.compiled[eager](*args)
-        except Exception as e:  # noqa: BLE001 - compiled or not, the step's math is the same
-            self.failed = True
-            log.warning("train: the compiled loss failed (%s: %s); the eager loss runs from now on",
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            return eager(*args)
+        super().__init__("SPECOPS_COMPILE_LOSS", "auto", "loss")
 
     def forward(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self._run(_ce_forward, logits, p_all, rows)
+        return self.run(_ce_forward, logits, p_all, rows)
 
     def backward(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor
                  ) -> torch.Tensor:
-        return self._run(_ce_backward, logits, p_all, rows, grad)
+        return self.run(_ce_backward, logits, p_all, rows, grad)
 
     def fused(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, tgt: torch.Tensor):
-        return self._run(_ce_fused, logits, p_all, rows, tgt)
+        return self.run(_ce_fused, logits, p_all, rows, tgt)
 
 
 LOSS_KERNELS = _LossKernels()
