@@ -79,7 +79,7 @@ if [ -n "$benches" ]; then
     python3 bench/local_engine_gpu.py --tokenizer "$hf" --model "$hf" --batch 256 --hf-batch 64 \
       --out "$W/results/bench-local-engine.json" > "$W/results/bench-local-engine.log" 2>&1 ;; esac
   case " $benches " in *" extract "*)
-    python3 bench/extract_gpu.py --writeback-ab --out "$W/results/bench-extract.json" > "$W/results/bench-extract.log" 2>&1 ;; esac
+    python3 bench/extract_gpu.py --out "$W/results/bench-extract.json" > "$W/results/bench-extract.log" 2>&1 ;; esac
   # SmolLM2-shaped training on varied lengths, one run per arm: train_arms NAME SEQS "ENV=V ... LABEL"...
   train_arms() {
     local name=$1 seqs=$2 arm; shift 2

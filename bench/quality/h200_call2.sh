@@ -11,7 +11,9 @@ mkdir -p /tmp/site /tmp/specsite /root/q
 # ours needs gguf + orjson beyond the image; the anchor its own set (kept apart from ours)
 ours=$(ls .whl/gguf-*.whl .whl/orjson-*.whl)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $ours
-spec=$(ls .whl/*.whl | grep -v -e '/gguf-' -e '/orjson-' || true)
+# (the speculators set may come in .whl or, to keep each call's carry under 64 MiB, in .whl_spec
+# by an earlier call that installed it already: see README.md)
+spec=$(ls .whl/*.whl .whl_spec/*.whl 2>/dev/null | grep -v -e '/gguf-' -e '/orjson-' || true)
 [ -n "$spec" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/specsite $spec
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "gpus", torch.cuda.device_count())'
 # The experiment runs from a snapshot of this tree: later calls refresh the carried tree under

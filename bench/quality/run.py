@@ -7,8 +7,9 @@ Phases (each idempotent: a rerun skips what is done, `specops run` resumes insid
     ours     `specops run` on the generated campaign config up to export: generate with the local
              engine over ShareGPT first turns + BFCL prompts, build, extract (bf16 features), train
              (K=7), export.
-    lr-sweep one more drafter per lr in the scale's lr_sweep on the same build + features (its own
-             campaign dir, lr-sweep/lr-<lr>/); the winner by val simulated tau -> DIR/ours-drafter,
+    lr-sweep one more drafter per recipe variant in the scale's sweep / lr_sweep (lr, tokens per
+             step, loss decay, trainer switches) on the same build + features (its own campaign dir,
+             lr-sweep/<variant>/); the winner by val simulated tau -> DIR/ours-drafter,
              the drafter timing and eval use.
     anchor   the same build + features converted to the speculators layout, the speculators 0.9.0
              trainer run unmodified with the same epochs and learning rate, its checkpoint converted
@@ -58,8 +59,16 @@ SCALES: dict[str, dict[str, Any]] = {
         # (simulated tau 1.962 vs 1.745); so the next run starts there and tries 2e-3 and 3e-3.
         sharegpt=7800, bfcl=None, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
         max_model_len=2048, draft_vocab=32000, epochs=2, lr=1e-3, warmup=50, batch_tokens=16384,
-        # our lr: chosen on the val split among lr and these (phase_lr_sweep: same build, features, schedule)
-        lr_sweep=(2e-3, 3e-3),
+        # our recipe: chosen on the val split among the main run and these variants (phase_lr_sweep:
+        # same build, features, epochs and seed). Session 6: lr 5e-4 -> 1e-3 raised val sim tau
+        # 1.745 -> 1.962, so higher lrs and more optimizer steps per epoch (half the tokens per step)
+        # come next. The lr-3e-3 variant also runs session 7's fused lm_head + soft CE
+        # (SPECOPS_FUSED_LOSS=1, mathematically the same loss): alone on the device like the main
+        # run, its rate on real features is the A/B that session 7's diagnosis asked for, and
+        # sweep_timeout_s stops it if it is still ~60x slow.
+        sweep=({"lr": 2e-3}, {"lr": 3e-3, "env": {"SPECOPS_FUSED_LOSS": "1"}},
+               {"lr": 1.5e-3, "batch_tokens": 8192}),
+        sweep_timeout_s=180,
         # eval/checkpoint only at the end: a mid-run val pass or checkpoint would sit inside a metrics
         # window and count against our tokens/s (speculators' step times leave both out)
         log_every=20, eval_every=100000, checkpoint_every=100000, anchor_lr=1e-3, anchor_timeout_s=480,
@@ -99,7 +108,8 @@ SCALES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         sharegpt=6, bfcl=4, max_tokens=24, batch_size=8, concurrency=16, dtype="float32",
         max_model_len=1024, draft_vocab=2048, epochs=1, lr=5e-4, warmup=2, batch_tokens=2048,
-        lr_sweep=(1e-3,),
+        lr_sweep=(1e-3,), sweep=({"lr": 1e-3, "batch_tokens": 1024, "env": {"SPECOPS_COMPILE_LOSS": "0"}},),
+        sweep_timeout_s=600,
         log_every=2, eval_every=4, checkpoint_every=4, anchor_lr=1e-3, anchor_cpu=True, anchor_timeout_s=300, eval_limit=1, spec_bench_limit=2,
         anchor_warm=True, anchor_warm_samples=10, anchor_warm_max_len=256,
         eval_new_tokens=12, timing_limit=1, timing_new_tokens=12, workers=2, t1_limit=1, eval_batch=2,
@@ -273,30 +283,68 @@ def ours_export(work: Path, ours_drafter: Path | None = None) -> Path:
     return winner if winner.is_dir() else work / "campaign" / "drafter" / "export" / "vllm"
 
 
-def _lr_run(camp: Path, lr: float) -> dict[str, Any]:
+def sweep_variants(s: dict[str, Any]) -> list[dict[str, Any]]:
+    """The scale's recipe variants besides the main run: `sweep` entries (dicts of train.* overrides,
+    plus an optional "env" of trainer switches such as SPECOPS_FUSED_LOSS) and, from older command
+    lines, `lr_sweep` (one variant per lr). A variant equal to the main recipe, or to an earlier
+    variant, is dropped. Each comes back with its name (the directory and result key)."""
+    main = {"lr": float(s["lr"])}
+    out, seen = [], {variant_name(main)}
+    for v in [*({"lr": float(x)} for x in s.get("lr_sweep", ())), *s.get("sweep", ())]:
+        v = {k: (float(x) if k == "lr" else x) for k, x in v.items()}
+        bad = [k for k in v if k not in SWEEP_KEYS]
+        if bad:
+            raise SystemExit(f"sweep: unknown key(s) {bad}; allowed: {sorted(SWEEP_KEYS)}")
+        name = variant_name({**main, **v})
+        if name not in seen:
+            seen.add(name)
+            out.append({**v, "name": name})
+    return out
+
+
+# what a sweep variant may change: train.* keys (the same data and epochs always) and trainer switches
+SWEEP_KEYS = {"lr", "batch_tokens", "loss_decay", "warmup_steps", "min_lr_ratio", "weight_decay",
+              "norm_before_residual", "max_grad_norm", "env"}
+
+
+def variant_name(v: dict[str, Any]) -> str:
+    """lr-0.002, lr-0.0015_batch_tokens-8192, lr-0.003_SPECOPS_FUSED_LOSS-1: stable, path-safe."""
+    parts = [f"lr-{float(v['lr']):g}"]
+    parts += [f"{k}-{v[k]:g}" if isinstance(v[k], float) else f"{k}-{v[k]}"
+              for k in sorted(v) if k not in ("lr", "env", "name")]
+    parts += [f"{k}-{x}" for k, x in sorted((v.get("env") or {}).items())]
+    return "_".join(parts)
+
+
+def specops_rate_of(camp: Path) -> dict[str, Any]:
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    from speculators_train import specops_rate  # the rate both trainers are measured by
+
+    return specops_rate(camp)
+
+
+def _sweep_run(camp: Path, variant: dict[str, Any]) -> dict[str, Any]:
     """One trained + exported drafter of the sweep: its last val line (the end-of-run pass), the
     simulated tau of its per-step val acc, the steady train rate (as the anchor's --measure reports
     ours), and the train + export wall seconds from the campaign manifest."""
     import datetime
-
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    from speculators_train import specops_rate  # the rate both trainers are measured by
 
     from specops.evaluate.report import _simulated_tau
 
     rows = [json.loads(x) for x in (camp / "drafter" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     vals = [r for r in rows if r.get("split") == "val"]
     if not vals:
-        raise SystemExit(f"lr-sweep: no val line in {camp / 'drafter' / 'metrics.jsonl'} (no val split?)")
+        raise SystemExit(f"sweep: no val line in {camp / 'drafter' / 'metrics.jsonl'} (no val split?)")
     val = {k: vals[-1][k] for k in ("step", "loss", "step_loss", "acc", "tau", "positions") if k in vals[-1]}
-    rate = specops_rate(camp)
+    rate = specops_rate_of(camp)
     ph = json.loads((camp / "manifest.json").read_text())["phases"]
     t = datetime.datetime.fromisoformat
     export = camp / "drafter" / "export"
     if not (export / "vllm" / "config.json").is_file():
-        raise SystemExit(f"lr-sweep: no vllm export under {export}")
-    return {"lr": lr, "campaign": str(camp), "val": val, "sim_tau": _simulated_tau(val["acc"]),
+        raise SystemExit(f"sweep: no vllm export under {export}")
+    return {**{k: x for k, x in variant.items() if k != "name"}, "variant": variant["name"], "campaign": str(camp),
+            "val": val, "sim_tau": _simulated_tau(val["acc"]),
             "train_tokens_per_s": rate.get("tokens_per_s"), "train_tokens_per_s_all": rate.get("tokens_per_s_all"),
             "train_steps": rate.get("steps"), "train_elapsed_s": rate.get("elapsed_s"),
             "wall_s": (t(ph["export"]["done_at"]) - t(ph["train"]["running_at"])).total_seconds(),
@@ -304,28 +352,30 @@ def _lr_run(camp: Path, lr: float) -> dict[str, Any]:
 
 
 def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_drafter: Path | None = None) -> None:
-    """Our learning rate, chosen on the validation split (never on the eval sets): one more drafter per
-    lr in s["lr_sweep"], trained and exported exactly as the main one (same build and features,
-    epochs, warmup, batch tokens, seed, K), each in its own campaign work/lr-sweep/lr-<lr>/ whose
-    build/ and features/ are links to the main campaign's (`specops run --from train --to export`).
-    The winner has the highest simulated tau of its end-of-run val acc (ties: the lower lr);
-    work/ours-drafter links to its export dir, which timing, eval and h200_wait.sh use. Resumable:
-    an lr with a result is not trained again. Must run before the anchor (its convert consumes the
-    features)."""
+    """Our recipe, chosen on the validation split (never on the eval sets): one more drafter per
+    variant of sweep_variants(s) (learning rate, tokens per step, loss decay, trainer switches; the
+    data, epochs, seed and K never change), trained and exported exactly as the main one otherwise,
+    each in its own campaign work/lr-sweep/<variant>/ whose build/ and features/ are links to the main
+    campaign's (`specops run --from train --to export`). The winner has the highest simulated tau of
+    its end-of-run val acc (ties: the main run, then the earlier variant); work/ours-drafter links to
+    its export dir, which timing, eval and h200_wait.sh use. Each variant runs alone on the device, so
+    its train rate is clean; past `sweep_timeout_s` it is stopped and counts as failed (a trainer
+    form that is slow on real data must not eat the lease). Resumable: a variant with a result is not
+    trained again. Must run before the anchor (its convert consumes the features)."""
     if ours_drafter:
         log("lr-sweep: skipped (--ours-drafter: no drafter trained here)")
         return
-    main = float(s["lr"])
-    extra = [lr for lr in dict.fromkeys(float(x) for x in s["lr_sweep"]) if lr != main]
+    main = {"lr": float(s["lr"]), "name": variant_name({"lr": float(s["lr"])})}
+    extra = sweep_variants(s)
     prior = (read_result(work, "lr-sweep") or {}).get("runs", {})
-    runs: dict[str, Any] = {f"{main:g}": {**_lr_run(work / "campaign", main), "main": True}}
+    runs: dict[str, Any] = {main["name"]: {**_sweep_run(work / "campaign", main), "main": True}}
     failed = []
     camp_main = work / "campaign"
-    for lr in extra:
-        key = f"{lr:g}"
-        camp = work / "lr-sweep" / f"lr-{key}"
+    for v in extra:
+        key = v["name"]
+        camp = work / "lr-sweep" / key
         if (r := prior.get(key)) and r.get("sim_tau") is not None and Path(r["export"], "config.json").is_file():
-            log(f"lr-sweep: lr {key} done already")
+            log(f"lr-sweep: {key} done already")
             runs[key] = r
             continue
         try:
@@ -337,31 +387,37 @@ def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_dra
                 if not (camp / sub).is_symlink():
                     (camp / sub).symlink_to(os.path.relpath(camp_main / sub, camp), target_is_directory=True)
             cfg = json.loads(json.dumps(base))
-            cfg["campaign"] = {"name": f"quality-lr-{key}", "dir": str(camp), "seed": base["campaign"]["seed"]}
-            cfg["train"]["lr"] = lr
-            cfg_path = work / "lr-sweep" / f"lr-{key}.toml"
+            cfg["campaign"] = {"name": f"quality-{key}", "dir": str(camp), "seed": base["campaign"]["seed"]}
+            cfg["train"].update({k: x for k, x in v.items() if k not in ("name", "env")})
+            cfg_path = work / "lr-sweep" / f"{key}.toml"
             cfg_path.write_text(dump_toml(cfg))
             load_config(cfg_path)
-            dt = sh(specops("run", cfg_path, "--from", "train", "--to", "export"), work / "results" / f"lr-sweep-{key}.log")
-            runs[key] = {**_lr_run(camp, lr), "command_wall_s": dt}
-        except (SystemExit, Exception) as e:  # this lr failed: the others still count
-            log(f"lr-sweep: lr {key} FAILED: {str(e)[:1000]}")
-            runs[key] = {"lr": lr, "error": str(e)[-3000:]}
+            dt = sh(specops("run", cfg_path, "--from", "train", "--to", "export"), work / "results" / f"lr-sweep-{key}.log",
+                    env={k: str(x) for k, x in (v.get("env") or {}).items()}, timeout=s.get("sweep_timeout_s"))
+            runs[key] = {**_sweep_run(camp, v), "command_wall_s": dt}
+        except (SystemExit, Exception) as e:  # this variant failed: the others still count
+            log(f"lr-sweep: {key} FAILED: {str(e)[:1000]}")
+            runs[key] = {**{k: x for k, x in v.items() if k != "name"}, "variant": key, "error": str(e)[-3000:]}
+            try:  # how fast it trained before it stopped (a slow form's rate is the finding)
+                runs[key]["partial_rate"] = specops_rate_of(camp)
+            except Exception:  # noqa: BLE001 - no metrics written yet
+                pass
             failed.append(key)
     ok = [r for r in runs.values() if r.get("sim_tau") is not None]
-    best = min(ok, key=lambda r: (-round(r["sim_tau"], 9), r["lr"]))
+    best = max(ok, key=lambda r: round(r["sim_tau"], 9))  # max() keeps the first of equals: main, then order
     link, tmp = work / "ours-drafter", work / ".ours-drafter.tmp"
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(os.path.relpath(Path(best["export"]).parent, work), target_is_directory=True)
     os.replace(tmp, link)
     write_result(work, "lr-sweep", {
-        "done": not failed, "lrs": [main, *extra], "runs": runs, "failed": failed, "chosen_lr": best["lr"],
-        "chosen_sim_tau": best["sim_tau"], "ours_drafter": str(link / "vllm"), "winner_export": best["export"],
-        "chosen_by": "max simulated tau (1 + sum_k prod_{i<=k} acc_i) of the end-of-run val pass; ties -> lower lr"})
-    log(f"lr-sweep: chosen lr {best['lr']:g} (val sim tau " + ", ".join(
+        "done": not failed, "variants": [main["name"], *(v["name"] for v in extra)], "runs": runs, "failed": failed,
+        "chosen": best["variant"], "chosen_lr": best["lr"], "chosen_sim_tau": best["sim_tau"],
+        "ours_drafter": str(link / "vllm"), "winner_export": best["export"],
+        "chosen_by": "max simulated tau (1 + sum_k prod_{i<=k} acc_i) of the end-of-run val pass; ties -> main, then order"})
+    log(f"lr-sweep: chosen {best['variant']} (val sim tau " + ", ".join(
         f"{k}: {r['sim_tau']:.4f}" for k, r in runs.items() if r.get("sim_tau") is not None) + f"); {link} -> {best['export']}")
     if failed:
-        raise SystemExit(f"lr-sweep: lr {', '.join(failed)} failed; chosen among the rest: {best['lr']:g}")
+        raise SystemExit(f"lr-sweep: {', '.join(failed)} failed; chosen among the rest: {best['variant']}")
 
 
 def _anchor_env() -> dict[str, str]:
@@ -416,9 +472,11 @@ def start_anchor_warm(work: Path, s: dict[str, Any], model: str) -> threading.Th
 _WARM: threading.Thread | None = None
 
 
-def phase_anchor(work: Path, s: dict[str, Any], model: str) -> None:
+def phase_anchor(work: Path, s: dict[str, Any], model: str, on_trained: Any = None) -> None:
     """The speculators trainer, unmodified, on the same build, features and draft vocab and the same
-    epochs (its own recipe otherwise: Muon + AdamW at its default lr). bench/quality/README-speculators.md."""
+    epochs (its own recipe otherwise: Muon + AdamW at its default lr). bench/quality/README-speculators.md.
+    `on_trained()` is called once its training has ended (alone on the device, for a clean rate): what
+    follows (its checkpoint's conversion and logit check) is untimed and may share the device."""
     if (r := read_result(work, "anchor")) and r.get("done"):
         log("anchor: done already")
         return
@@ -460,6 +518,8 @@ def phase_anchor(work: Path, s: dict[str, Any], model: str) -> None:
         with open(out / "run" / "summary.json", "w") as fh:
             subprocess.run([str(c) for c in measure], stdout=fh, stderr=subprocess.DEVNULL, check=False,
                            env={**os.environ, **env})
+    if on_trained is not None:
+        on_trained()
     t_conv2 = sh([sys.executable, HERE / "speculators_to_eval.py", out / "run" / "checkpoints", out / "eval_drafter",
                   "--campaign", camp, "--verify"], logf, env=env)
     sh(specops("export", "--check", out / "eval_drafter"), logf)
@@ -622,6 +682,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="target.model: 'smollm2', a .gguf or an HF dir")
     ap.add_argument("--carry", type=Path, default=REPO / ".carry_q")
     ap.add_argument("--skip-anchor", action="store_true")
+    ap.add_argument("--skip", action="append", default=[], choices=["lr-sweep", "anchor", "timing", "eval"],
+                    help="leave this phase out of `all` (e.g. timing, when the lease has no time for it)")
     ap.add_argument("--ours-drafter", type=Path,
                     help="our drafter from an earlier run on the same records (an export dir): ours stops at "
                          "extract (the anchor needs the features) and timing/eval use this drafter")
@@ -635,7 +697,7 @@ def main() -> None:
                     help="override one entry of the scale (e.g. lr=1e-3, epochs=2, eval_limit=40); the value is "
                          "parsed as a Python literal, else kept as a string")
     args = ap.parse_args()
-    s = {"lr_sweep": (), **SCALES[args.scale]}
+    s = {"lr_sweep": (), "sweep": (), "sweep_timeout_s": None, **SCALES[args.scale]}
     for kv in args.set:
         key, sep, val = kv.partition("=")
         if not sep or key not in s:
@@ -670,17 +732,35 @@ def main() -> None:
     # Then timing (alone on the GPU), the anchor's training (alone, for a fair tokens/s), and both
     # drafters' tau side by side.
     which = ["ours"] if args.skip_anchor else ["ours", "anchor"]
+    # tau needs no quiet device: once the anchor's training is over, our drafter's evaluation starts
+    # beside the anchor's conversion (about 2 minutes of a lease); phase eval then waits for it.
+    early: list[concurrent.futures.Future] = []
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def eval_ours_early() -> None:
+        if "eval" in wanted and "ours" in which:
+            early.append(pool.submit(phase_eval, work, base, s, data, ["ours"], ours_export(work, args.ours_drafter)))
+
+    def eval_all() -> None:
+        for fut in early:
+            try:
+                fut.result()
+            except (SystemExit, Exception) as e:  # retried below, with the anchor's
+                log(f"eval (ours, early): FAILED: {str(e)[:2000]}")
+        phase_eval(work, base, s, data, which, ours_export(work, args.ours_drafter), args.anchor_drafter)
+
     steps = {
         "ours": lambda: phase_ours(work, cfg_path, args.ours_drafter),
         "lr-sweep": lambda: phase_lr_sweep(work, base, s, args.ours_drafter),
-        "anchor": lambda: phase_anchor(work, s, args.model),
-        "eval": lambda: phase_eval(work, base, s, data, which, ours_export(work, args.ours_drafter), args.anchor_drafter),
+        "anchor": lambda: phase_anchor(work, s, args.model, on_trained=eval_ours_early),
+        "eval": eval_all,
         "timing": lambda: phase_timing(work, base, s, data, ours_export(work, args.ours_drafter)),
     }
     wanted = {"all": list(steps), "ours": ["ours", "lr-sweep"], "lr-sweep": ["lr-sweep"], "timing": ["timing"], "anchor": ["anchor"],
               "eval": ["eval"], "collect": []}[args.phase]
     if args.skip_anchor:
-        wanted = [w for w in wanted if w != "anchor"]
+        args.skip.append("anchor")
+    wanted = [w for w in wanted if w not in args.skip]
     global _WARM
     if "anchor" in wanted and s.get("anchor_warm"):
         _WARM = start_anchor_warm(work, s, args.model)
@@ -693,6 +773,12 @@ def main() -> None:
             write_result(work, f"{name}-error", {"error": str(e)[-6000:]})
             if name == "ours":
                 raise
+    for fut in early:  # an early evaluation whose phase eval was not wanted, or failed
+        try:
+            fut.result()
+        except (SystemExit, Exception) as e:
+            log(f"eval (ours, early): FAILED: {str(e)[:2000]}")
+    pool.shutdown()
     out = phase_collect(work)
     log("collect: " + json.dumps(out.get("tau"), indent=None))
 
