@@ -7,9 +7,9 @@ split of `--samples` sequences with lengths uniform in [--min-len, --max-len]. R
 both, the ratio, and bytes per token on disk for bf16 and fp8, and the padded share of the forwards:
 extract's (batches planned over windows of `--batch-window` shards, extract.batch_window) beside the
 bare forward's (one plan over every sample). Optional arms in the same run: `--tail-split N` (bf16
-with smaller final shards; session 6: slower, 0.68 vs 0.72) and `--writeback-ab` (bf16 with
-extract's eager writeback flipped: by default off, i.e. page cache + the finalizer's fsync; on, a
-`sync_file_range` after each written range, as SPECOPS_EAGER_WRITEBACK=1 asks).
+with smaller final shards; session 6: slower, 0.68 vs 0.72) and `--writeback-ab` (bf16 once more
+with extract's eager writeback flipped: off where the default is async or sync, else async;
+SPECOPS_EAGER_WRITEBACK and `_EAGER_WRITEBACK` in specops/extract.py).
 
     python bench/extract_gpu.py [--tiny] [--samples 160] [--batch-window N] [--tail-split N] [--writeback-ab]
                                 [--out results.json]
@@ -165,8 +165,8 @@ def main() -> None:
     ap.add_argument("--tail-split", type=int, default=1,
                     help="> 1: also bf16 with extract.tail_split = N (smaller final shards), same run")
     ap.add_argument("--writeback-ab", action="store_true",
-                    help="also bf16 with extract's eager writeback flipped (off unless SPECOPS_EAGER_WRITEBACK=1), "
-                         "same run")
+                    help="also bf16 with extract's eager writeback flipped (the default's opposite: off, or "
+                         "async where the default is off), same run")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -186,8 +186,8 @@ def main() -> None:
         if a.writeback_ab:  # page cache + the finalizer's fsync (the default) vs sync_file_range after each write
             from specops import extract as ex
 
-            default = ex._EAGER_WRITEBACK
-            ex._EAGER_WRITEBACK = not default
+            default = ex._writeback_mode()
+            ex._EAGER_WRITEBACK = "async" if default == "off" else "off"
             try:
                 flipped = specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, tag="-wb",
                                           batch_window=bw)  # fmt: skip
@@ -216,13 +216,14 @@ def main() -> None:
                        for k, r in (("bf16", bf16), ("fp8", fp8), ("bf16_tail", tail)) if r is not None},
         }
         if flipped is not None:
-            res.update({"eager_writeback_default": default,
+            res.update({"eager_writeback_default": default, "eager_writeback_flipped": "async" if default == "off" else "off",
                         "specops_bf16_writeback_flipped_tok_s": round(flipped["tokens_per_s"], 1),
                         "ratio_bf16_writeback_flipped": round(flipped["tokens_per_s"] / base, 3),
                         "seconds_bf16_writeback_flipped": round(flipped["seconds"], 3)})
             res["shards"]["bf16_writeback_flipped"] = {"shard_seconds": flipped["shard_seconds"],
                                                        "finalize_seconds": flipped["finalize_seconds"],
                                                        "timings": flipped["timings"]}
+        res.setdefault("eager_writeback_default", __import__("specops.extract").extract._writeback_mode())
         if tail is not None:
             res.update({"tail_split": a.tail_split, "specops_bf16_tail_tok_s": round(tail["tokens_per_s"], 1),
                         "ratio_bf16_tail": round(tail["tokens_per_s"] / base, 3),

@@ -17,9 +17,9 @@ Each repeat runs, back to back on the same disk:
   analogue of the GPU benchmark's "extract vs bare forward" ratio (1.0 = the writes are completely
   hidden).
 
-`--eager-writeback on|off` forces the write path's eager writeback (sync_file_range after each
-written range; off by default since session 7's H200 A/B, on with SPECOPS_EAGER_WRITEBACK=1), to compare the two in
-the same conditions; `--staged` takes the CUDA path's
+`--eager-writeback async|sync|off` forces the write path's eager writeback (sync_file_range after
+each written range, by a flusher thread or by the writer; see `_EAGER_WRITEBACK` in
+specops/extract.py), to compare them in the same conditions; `--staged` takes the CUDA path's
 reused staging slots (here plain host buffers) instead of handing the features over directly.
 
 The disk of a shared machine varies from second to second, so repeats alternate the three and the
@@ -182,9 +182,10 @@ def main() -> None:
                     help="paced run at this absolute rate in GB/s instead of a fraction of dd's")
     ap.add_argument("--staged", action="store_true", help="use the staging-slot path (the CUDA path's, on CPU)")
     ap.add_argument("--verify", action="store_true", help="check every sidecar sha256 against a read-back")
-    ap.add_argument("--eager-writeback", choices=("auto", "on", "off"), default="auto",
-                    help="start each written range's writeback at once (auto: extract's own choice, on where "
-                         "SPECOPS_EAGER_WRITEBACK=1); off = leave it to each shard's fsync (the default)")
+    ap.add_argument("--eager-writeback", choices=("auto", "async", "sync", "on", "off"), default="auto",
+                    help="start each written range's writeback at once: async (a flusher thread), sync or on (the "
+                         "writer itself), off (leave it to each shard's fsync); auto: extract's own choice "
+                         "(SPECOPS_EAGER_WRITEBACK, default async with >= 8 CPUs, else off)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -194,7 +195,9 @@ def main() -> None:
     if a.eager_writeback != "auto":
         if eager is None:
             sys.exit(f"--eager-writeback {a.eager_writeback}: {extract.__file__} has no eager writeback")
-        extract._EAGER_WRITEBACK = eager = a.eager_writeback == "on"
+        extract._EAGER_WRITEBACK = {"on": "sync"}.get(a.eager_writeback, a.eager_writeback)
+    if hasattr(extract, "_writeback_mode"):
+        eager = extract._writeback_mode()
 
     root = a.dir / f"extract-write-bench-{os.getpid()}"
     root.mkdir(parents=True)

@@ -156,7 +156,7 @@ def main() -> None:
             "steps": a.steps, "sdpa_cudnn_kept": os.environ.get("SPECOPS_SDPA_CUDNN", "0") == "1",
             "ttt_attention": "dense" if os.environ.get("SPECOPS_TTT_DENSE", "0") == "1" else "block0+probe",
             "compile_loss": os.environ.get("SPECOPS_COMPILE_LOSS", "auto"),
-            "fused_loss": os.environ.get("SPECOPS_FUSED_LOSS", "0") == "1",
+            "fused_loss": os.environ.get("SPECOPS_FUSED_LOSS", "auto"),
             "compile_layer": os.environ.get("SPECOPS_COMPILE_LAYER", "0"),
             "tokens_per_s": round(sum(r["tokens_per_s"] for r in steady) / len(steady), 1),
             "wall_s": round(wall, 1),

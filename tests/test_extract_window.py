@@ -465,12 +465,19 @@ def test_batch_window_config(tmp_path):
         extract._check_extract_config(c)
 
 
-def test_eager_writeback_is_off_unless_asked_for():
-    code = "from specops import extract; print(extract._EAGER_WRITEBACK)"
-    for env, want in ((None, "False"), ("0", "False"), ("1", "True")):
+def test_eager_writeback_mode_from_the_environment():
+    """SPECOPS_EAGER_WRITEBACK: auto (default) = async with >= 8 usable CPUs, else off; 1/sync, 0/off,
+    async as asked; anything else is refused when extract is imported."""
+    code = "from specops import extract; print(extract._EAGER_WRITEBACK, extract._usable_cpus())"
+    for env, want in ((None, None), ("auto", None), ("0", "off"), ("off", "off"), ("1", "sync"), ("SYNC", "sync"),
+                      ("async", "async")):
         e = {k: v for k, v in os.environ.items() if k != "SPECOPS_EAGER_WRITEBACK"}
         if env is not None:
             e["SPECOPS_EAGER_WRITEBACK"] = env
         out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
-        assert out.stdout.strip() == want, out.stderr[-2000:]
+        mode, cpus = out.stdout.split()
+        assert mode == (want or ("async" if int(cpus) >= 8 else "off")), (env, out.stderr[-2000:])
+    e = {**os.environ, "SPECOPS_EAGER_WRITEBACK": "sometimes"}
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "SPECOPS_EAGER_WRITEBACK: expected auto, async" in out.stderr
 

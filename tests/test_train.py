@@ -441,8 +441,18 @@ def test_linear_soft_ce_equals_autograd_reference(monkeypatch, compiled):
     assert not kernels.failed and (len(kernels.compiled) == 1) == compiled
 
 
+def test_fused_loss_switch_defaults_to_cuda_only(monkeypatch):
+    """SPECOPS_FUSED_LOSS: "auto" (the default) fuses on CUDA only, "1" everywhere, "0" nowhere."""
+    import specops.drafter.train as train_mod
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    for mode, want in (("auto", (False, True)), ("1", (True, True)), ("0", (False, False))):
+        monkeypatch.setattr(train_mod, "_FUSED_LOSS", mode)
+        assert (train_mod.fused_loss_on(cpu), train_mod.fused_loss_on(cuda)) == want, mode
+
+
 def test_ttt_forward_fused_loss_equals_separate(monkeypatch):
-    """The TTT unroll with the fused lm_head + CE (the default) gives the loss, per-step CE sums,
+    """The TTT unroll with the fused lm_head + CE (the CUDA default) gives the loss, per-step CE sums,
     hits and every parameter gradient of the separate form (SPECOPS_FUSED_LOSS=0)."""
     import specops.drafter.train as train_mod
 
@@ -454,8 +464,9 @@ def test_ttt_forward_fused_loss_equals_separate(monkeypatch):
     batch = dataclasses.replace(batch, aux=batch.aux.double(), final=batch.final.double())
     targets = teacher_targets(teacher, batch)
     outs, grads = [], []
-    for fused in (True, False):
+    for fused in ("1", "0"):
         monkeypatch.setattr(train_mod, "_FUSED_LOSS", fused)
+        assert train_mod.fused_loss_on(torch.device("cpu")) == (fused == "1")
         drafter.zero_grad(set_to_none=True)
         out = ttt_forward(drafter, batch, targets, steps=5, decay=0.8)
         out.loss.backward()
@@ -529,7 +540,7 @@ def test_cuda_fused_loss_and_layer_regions_equal_separate_eager(monkeypatch):
         kernels.mode = "auto" if new else "0"
         monkeypatch.setattr(model_mod, "LAYER_REGIONS", regions)
         monkeypatch.setattr(train_mod, "LOSS_KERNELS", kernels)
-        monkeypatch.setattr(train_mod, "_FUSED_LOSS", new)
+        monkeypatch.setattr(train_mod, "_FUSED_LOSS", "1" if new else "0")
         drafter.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = ttt_forward(drafter, batch, targets, steps=4, decay=0.8)

@@ -56,22 +56,27 @@ SCALES: dict[str, dict[str, Any]] = {
         # dedupe (>= 10K). 2 epochs for both trainers (the same budget) and one extra lr: session 6
         # ran all of it, the anchor and both drafters' full-set evaluations included, in one
         # 30-minute lease (experiment 20 min) with lr 5e-4 and lr_sweep (1e-3,), and val chose 1e-3
-        # (simulated tau 1.962 vs 1.745); so the next run starts there and tries 2e-3 and 3e-3.
+        # (simulated tau 1.962 vs 1.745); session 8 swept lr and tokens per step (below).
         sharegpt=7800, bfcl=None, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
-        max_model_len=2048, draft_vocab=32000, epochs=2, lr=1e-3, warmup=50, batch_tokens=16384,
+        max_model_len=2048, draft_vocab=32000, epochs=2, lr=1.5e-3, warmup=50, batch_tokens=8192,
         # our recipe: chosen on the val split among the main run and these variants (phase_lr_sweep:
-        # same build, features, epochs and seed). Session 6: lr 5e-4 -> 1e-3 raised val sim tau
-        # 1.745 -> 1.962, so higher lrs and more optimizer steps per epoch (half the tokens per step)
-        # come next. The lr-3e-3 variant also runs session 7's fused lm_head + soft CE
-        # (SPECOPS_FUSED_LOSS=1, mathematically the same loss): alone on the device like the main
-        # run, its rate on real features is the A/B that session 7's diagnosis asked for, and
-        # sweep_timeout_s stops it if it is still ~60x slow.
-        sweep=({"lr": 2e-3}, {"lr": 3e-3, "env": {"SPECOPS_FUSED_LOSS": "1"}},
-               {"lr": 1.5e-3, "batch_tokens": 8192}),
-        sweep_timeout_s=180,
+        # same build, features, epochs and seed). Session 8 (val sim tau, 2 epochs, 10,501 samples):
+        # lr 1e-3 at 16,384 tokens/step 1.984, lr 2e-3 2.082, lr 3e-3 2.018, lr 1.5e-3 at 8,192
+        # tokens/step 2.257 (chosen; measured tau 1.05x the anchor's). So the main run is that
+        # recipe now, and the variants go on towards more optimizer steps per epoch: 4,096
+        # tokens/step, and a higher lr at 8,192 with the drafter layer's compiled regions
+        # (SPECOPS_COMPILE_LAYER=auto, mathematically the same layer): alone on the device, its rate
+        # is the real-data A/B of that form, and its timeout_s stops it if it is slow there.
+        sweep=({"lr": 1e-3, "batch_tokens": 4096, "timeout_s": 320},
+               {"lr": 2e-3, "batch_tokens": 8192, "env": {"SPECOPS_COMPILE_LAYER": "auto"}, "timeout_s": 200}),
+        sweep_timeout_s=240,
         # eval/checkpoint only at the end: a mid-run val pass or checkpoint would sit inside a metrics
         # window and count against our tokens/s (speculators' step times leave both out)
         log_every=20, eval_every=100000, checkpoint_every=100000, anchor_lr=1e-3, anchor_timeout_s=480,
+        # speculators' own default tokens per step (--total-seq-len 8192), which our main recipe now
+        # uses too; sessions 5-8 gave it 16,384 (our batch then), so session 8's ours at 8,192 had
+        # twice its optimizer steps on the same data and epochs
+        anchor_total_seq_len=8192,
         anchor_checkpoint_freq=0.5, anchor_warm=True,
         # The full sets (MT-bench 80 x 2 turns, HumanEval 80, GSM8K 80, Spec-Bench 480; T=1 MT-bench 80):
         # tau through the batched loop (eval.batch_size rows, evaluate/batched.py). 8 batch-1 workers
@@ -108,7 +113,7 @@ SCALES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         sharegpt=6, bfcl=4, max_tokens=24, batch_size=8, concurrency=16, dtype="float32",
         max_model_len=1024, draft_vocab=2048, epochs=1, lr=5e-4, warmup=2, batch_tokens=2048,
-        lr_sweep=(1e-3,), sweep=({"lr": 1e-3, "batch_tokens": 1024, "env": {"SPECOPS_COMPILE_LOSS": "0"}},),
+        lr_sweep=(1e-3,), sweep=({"lr": 1e-3, "batch_tokens": 1024, "env": {"SPECOPS_COMPILE_LOSS": "0"}, "timeout_s": 500},),
         sweep_timeout_s=600,
         log_every=2, eval_every=4, checkpoint_every=4, anchor_lr=1e-3, anchor_cpu=True, anchor_timeout_s=300, eval_limit=1, spec_bench_limit=2,
         anchor_warm=True, anchor_warm_samples=10, anchor_warm_max_len=256,
@@ -304,14 +309,15 @@ def sweep_variants(s: dict[str, Any]) -> list[dict[str, Any]]:
 
 # what a sweep variant may change: train.* keys (the same data and epochs always) and trainer switches
 SWEEP_KEYS = {"lr", "batch_tokens", "loss_decay", "warmup_steps", "min_lr_ratio", "weight_decay",
-              "norm_before_residual", "max_grad_norm", "env"}
+              "norm_before_residual", "max_grad_norm", "env", "timeout_s"}
+_NOT_TRAIN = ("name", "env", "timeout_s")  # variant keys that are not train.* overrides
 
 
 def variant_name(v: dict[str, Any]) -> str:
     """lr-0.002, lr-0.0015_batch_tokens-8192, lr-0.003_SPECOPS_FUSED_LOSS-1: stable, path-safe."""
     parts = [f"lr-{float(v['lr']):g}"]
     parts += [f"{k}-{v[k]:g}" if isinstance(v[k], float) else f"{k}-{v[k]}"
-              for k in sorted(v) if k not in ("lr", "env", "name")]
+              for k in sorted(v) if k not in ("lr", *_NOT_TRAIN)]
     parts += [f"{k}-{x}" for k, x in sorted((v.get("env") or {}).items())]
     return "_".join(parts)
 
@@ -388,12 +394,13 @@ def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_dra
                     (camp / sub).symlink_to(os.path.relpath(camp_main / sub, camp), target_is_directory=True)
             cfg = json.loads(json.dumps(base))
             cfg["campaign"] = {"name": f"quality-{key}", "dir": str(camp), "seed": base["campaign"]["seed"]}
-            cfg["train"].update({k: x for k, x in v.items() if k not in ("name", "env")})
+            cfg["train"].update({k: x for k, x in v.items() if k not in _NOT_TRAIN})
             cfg_path = work / "lr-sweep" / f"{key}.toml"
             cfg_path.write_text(dump_toml(cfg))
             load_config(cfg_path)
             dt = sh(specops("run", cfg_path, "--from", "train", "--to", "export"), work / "results" / f"lr-sweep-{key}.log",
-                    env={k: str(x) for k, x in (v.get("env") or {}).items()}, timeout=s.get("sweep_timeout_s"))
+                    env={k: str(x) for k, x in (v.get("env") or {}).items()},
+                    timeout=v.get("timeout_s", s.get("sweep_timeout_s")))
             runs[key] = {**_sweep_run(camp, v), "command_wall_s": dt}
         except (SystemExit, Exception) as e:  # this variant failed: the others still count
             log(f"lr-sweep: {key} FAILED: {str(e)[:1000]}")
@@ -446,7 +453,7 @@ def start_anchor_warm(work: Path, s: dict[str, Any], model: str) -> threading.Th
             time.sleep(5)
         site = os.environ.get("SPECULATORS_SITE", "")
         cmd = [sys.executable, HERE / "speculators_warm.py", "--target", resolve_model_dir(model), "--out",
-               work / "anchor-warm", "--total-seq-len", s["batch_tokens"], "--draft-vocab", s["draft_vocab"],
+               work / "anchor-warm", "--total-seq-len", anchor_seq_len(s), "--draft-vocab", s["draft_vocab"],
                "--ttt", K, "--timeout", s.get("anchor_warm_timeout_s", 900)]
         if site:
             cmd += ["--spec-path", site]
@@ -472,6 +479,11 @@ def start_anchor_warm(work: Path, s: dict[str, Any], model: str) -> threading.Th
 _WARM: threading.Thread | None = None
 
 
+def anchor_seq_len(s: dict[str, Any]) -> int:
+    """speculators' --total-seq-len (tokens per step): the scale's anchor_total_seq_len, else ours."""
+    return int(s.get("anchor_total_seq_len") or s["batch_tokens"])
+
+
 def phase_anchor(work: Path, s: dict[str, Any], model: str, on_trained: Any = None) -> None:
     """The speculators trainer, unmodified, on the same build, features and draft vocab and the same
     epochs (its own recipe otherwise: Muon + AdamW at its default lr). bench/quality/README-speculators.md.
@@ -493,7 +505,7 @@ def phase_anchor(work: Path, s: dict[str, Any], model: str, on_trained: Any = No
                  str(min(16, os.cpu_count() or 1)), "--consume"], logf, env=env)
     train = [sys.executable, HERE / "speculators_train.py", "--data", out / "data", "--target",
              resolve_model_dir(model), "--out", out / "run", "--epochs", s["epochs"], "--lr", s["anchor_lr"],
-             "--ttt", K, "--total-seq-len", s["batch_tokens"], "--ours", camp]
+             "--ttt", K, "--total-seq-len", anchor_seq_len(s), "--ours", camp]
     if site:
         train += ["--spec-path", site]
     if s.get("anchor_cpu"):

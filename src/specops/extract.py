@@ -50,8 +50,8 @@ final barrier.
 
 Pipelining (`_Pipeline`): the main thread only launches work. Batch features go device->host into
 pinned slots without a sync, on a copy stream beside the compute stream; a writer thread pwrites
-each row into its shard once the copy is done (with SPECOPS_EAGER_WRITEBACK=1 also starting its
-writeback to disk, `_EAGER_WRITEBACK`); a pool of finalizer threads fsyncs, hashes, writes the
+each row into its shard once the copy is done (and a flusher thread asks the kernel to start
+writing each range to disk at once, `_EAGER_WRITEBACK`); a pool of finalizer threads fsyncs, hashes, writes the
 sidecar and renames shards side by side while the next batches compute. The bytes and the order
 sidecar-then-rename are as above; a run joins every thread before any index, barrier or error exit,
 and a failure in any is raised by `run_extract`.
@@ -73,6 +73,7 @@ import os
 import shutil
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -427,22 +428,26 @@ _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not
 
 # A shard's rows land in the page cache, and the kernel starts writing them to disk only past
 # vm.dirty_background_ratio (10 % of RAM) or after 30 s: on a large host the disk idles while a
-# shard is written and its fsync then has all of it to write. With eager writeback the writer asks
-# for the writeback of each range right after writing it, so the disk works from the first batch
-# and the fsync only waits for what is still in flight. A hint: durability still comes from that
-# fsync alone, and only SYNC_FILE_RANGE_WRITE is used (waiting through sync_file_range would advance
-# the file's writeback-error cursor, and the fsync could then miss an earlier I/O error).
+# shard is written and its fsync then has all of it to write. Eager writeback asks for the writeback
+# of each range right after it is written, so the disk works from the first batch and the fsync
+# only waits for what is still in flight. A hint: durability still comes from that fsync alone, and
+# only SYNC_FILE_RANGE_WRITE is used (waiting through sync_file_range would advance the file's
+# writeback-error cursor, and the fsync could then miss an earlier I/O error).
 #
-# The writeback's kernel work (block allocation, I/O submission) then runs in the writer thread and
-# the kernel's I/O threads while the shard is written. On a 2-vCPU VM it competed with the writer
-# and the hash and cost ~12 % of the write path's throughput (bench/extract_write_cpu.py: 1.33 ->
-# 1.16 GB/s, where that VM's disk outran the writer anyway). On the H200 host (16 CPUs), where it had
-# been on by default, the same-run A/B measured it harmful too: bf16 extraction at 0.745x of a bare
-# forward with it on, 0.793x with it off (bench/results/h200-2026-12-03e/results/bench-extract.json:
-# 22.9K vs 24.4K tokens/s; with it off the fsyncs take 8.6 s in all, overlapped by the finalizer,
-# against 2.3 s of writeback calls on the writer's own path). So it is OFF unless the environment
-# says SPECOPS_EAGER_WRITEBACK=1; the code path stays for that A/B (bench/extract_gpu.py
-# --writeback-ab flips it, bench/extract_write_cpu.py --eager-writeback on|off and the tests set it).
+# SPECOPS_EAGER_WRITEBACK picks where the hint is given:
+#   "async": by one flusher thread (`_flusher`), so the writer never waits on a busy disk queue;
+#   "sync" (or "1"): by the writer thread itself, after each pwrite;
+#   "off" (or "0"): never; each shard's fsync writes it all;
+#   "auto" (default): async where the process may use >= 8 CPUs, else off.
+# History. "sync" on the H200 host, with per-shard batch plans: 0.745x of a bare forward against
+# 0.793x off (bench/results/h200-2026-12-03e: 2.3 s of writeback calls on the writer's own path,
+# while shard i's fsync already overlapped shard i+1's forward). On a 2-vCPU VM it competed with the
+# writer and the hash (bench/extract_write_cpu.py: 1.33 -> 1.16 GB/s). Then batch windows made a
+# window's shards all finish in its last batches: with writeback off, the 8B-shaped bench's six bf16
+# shards (12.1 GB, under that host's dirty threshold) reached the disk only in their fsyncs, after
+# the forward, and the ratio fell to 0.638 (h200-2026-12-03g: 6.5-6.9 s per shard's fsync). The
+# flusher thread keeps the disk busy during the forward without blocking the writer; on small
+# machines the extra thread competes with the writer, hence "auto".
 def _usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask; the machine's count where there is none)."""
     try:
@@ -451,7 +456,38 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-_EAGER_WRITEBACK = os.environ.get("SPECOPS_EAGER_WRITEBACK") == "1"
+_WRITEBACK_MODES = {"auto": "auto", "async": "async", "sync": "sync", "1": "sync", "off": "off", "0": "off"}
+
+
+def _resolve_writeback(value: str | None) -> str:
+    """SPECOPS_EAGER_WRITEBACK's value -> "async" | "sync" | "off" (see above)."""
+    mode = _WRITEBACK_MODES.get((value or "auto").strip().lower())
+    if mode is None:
+        raise ConfigError(f"SPECOPS_EAGER_WRITEBACK: expected auto, async, sync (1) or off (0), got {value!r}")
+    if mode == "auto":
+        mode = "async" if _usable_cpus() >= 8 else "off"
+    return mode
+
+
+_EAGER_WRITEBACK = _resolve_writeback(os.environ.get("SPECOPS_EAGER_WRITEBACK"))
+_flusher_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_flusher_lock = threading.Lock()
+
+
+def _flusher() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's one writeback thread (async mode), started on first use."""
+    global _flusher_pool
+    with _flusher_lock:
+        if _flusher_pool is None:
+            _flusher_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-writeback")
+        return _flusher_pool
+
+
+def _writeback_mode() -> str:
+    mode = _EAGER_WRITEBACK
+    if isinstance(mode, bool):  # an older form of the switch (tests set it so)
+        mode = "sync" if mode else "off"
+    return mode if _sync_file_range is not None else "off"
 
 
 class ShardWriter:
@@ -464,7 +500,9 @@ class ShardWriter:
     def __init__(self, path: Path, n_tokens: int, n_samples: int, hidden_size: int, dtype: str):
         head, self.layout, self.nbytes = shard_layout(n_tokens, n_samples, hidden_size, dtype)
         self.path = path
-        self.writeback = _EAGER_WRITEBACK and _sync_file_range is not None  # see `_EAGER_WRITEBACK`
+        self.mode = _writeback_mode()  # see `_EAGER_WRITEBACK`
+        self.writeback = self.mode != "off"
+        self.flushes: collections.deque[concurrent.futures.Future] = collections.deque()  # async mode
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         # seconds the writer thread spent per part of the write path (the sidecar's "timings")
         self.timings = {"copy_wait": 0.0, "pwrite": 0.0, "writeback": 0.0}
@@ -491,8 +529,25 @@ class ShardWriter:
         t1 = time.perf_counter()
         self.timings["pwrite"] += t1 - t0
         if self.writeback:
-            self.writeback = self._start_writeback(start, nbytes)
+            if self.mode == "async":  # the flusher thread asks; the writer goes on at once
+                while self.flushes and self.flushes[0].done():
+                    self.flushes.popleft()
+                self.flushes.append(_flusher().submit(self._async_writeback, start, nbytes))
+            else:
+                self.writeback = self._start_writeback(start, nbytes)
             self.timings["writeback"] += time.perf_counter() - t1
+
+    def _async_writeback(self, start: int, nbytes: int) -> None:
+        """Flusher thread: one range's hint; after a failure this shard asks no more."""
+        if self.writeback and self.fd >= 0:
+            self.writeback = self._start_writeback(start, nbytes)
+
+    def drain_writeback(self) -> None:
+        """Drop the hints not yet given (the fsync that follows writes everything) and wait for the
+        one being given, so that nothing uses the fd after this returns."""
+        pending = [f for f in self.flushes if not f.cancel()]  # all at once: the flusher takes the next meanwhile
+        self.flushes.clear()
+        concurrent.futures.wait(pending)
 
     def _start_writeback(self, start: int, nbytes: int) -> bool:
         """Ask the kernel to start writing bytes [start, start + nbytes) to disk; False: stop asking."""
@@ -507,6 +562,7 @@ class ShardWriter:
     def close(self, *, sync: bool = True) -> None:
         if self.fd < 0:
             return
+        self.drain_writeback()
         try:
             if sync:
                 os.fsync(self.fd)
@@ -782,7 +838,7 @@ class _Pipeline:
     and hands the rows to the writer thread, each for its own shard; then goes on to the next batch
     at once. Writer thread (one, FIFO; a file's buffered writes serialize on its inode lock in ext4
     and XFS anyway): waits for the batch's copy (a CUDA event), pwrites each row into its shard (and
-    starts its writeback, where `_EAGER_WRITEBACK` is on). Finalizers (a pool of
+    has its writeback started, by the flusher thread or itself: `_EAGER_WRITEBACK`). Finalizers (a pool of
     min(batch_window, usable CPUs // 2) threads, at least one): once a shard's writes are done,
     fsync + sha256 it, write the sidecar, rename. A window's shards finish within its last batches,
     so their read-backs (~1.9 s per 2 GB shard) run side by side rather than one after another.
@@ -1080,6 +1136,7 @@ def _finalize_shard(sp: _Split, job: _ShardJob) -> dict[str, Any]:
             seconds = time.perf_counter() - job.t0
         else:  # its share of the window's main-thread time, then the wait for its last writes
             seconds = job.busy + time.perf_counter() - job.queued
+        w.drain_writeback()  # hints still queued for this shard: its fsync does their work now
         t1 = time.perf_counter()
         # The read-back hashes the bytes while they are still in the page cache; the fsync runs
         # alongside it. Both finish before the sidecar exists. The sha256 is of the whole file in

@@ -59,13 +59,25 @@ log = logging.getLogger("specops.train")
 FEATURES_FORMAT = "specops-features-v1"
 _TTT_DENSE = os.environ.get("SPECOPS_TTT_DENSE", "0") == "1"
 HEARTBEAT_S = 10.0  # the longest wall time between two training heartbeats (maybe_heartbeat)
-# The lm_head + soft cross-entropy of each TTT step as one autograd node (`linear_soft_ce`) with
-# SPECOPS_FUSED_LOSS=1; by default the separate form (lm_head through autograd, then
-# `soft_cross_entropy`). Off by default: on session 7's real H200 run, this together with the
-# compiled layer regions trained at ~2K tok/s against 165K for the separate form, though each ran
-# at full speed on synthetic features (bench/results/h200-2026-12-03f/diagnosis.txt); not yet
-# known which of the two does it.
-_FUSED_LOSS = os.environ.get("SPECOPS_FUSED_LOSS", "0") == "1"
+# The lm_head + soft cross-entropy of each TTT step as one autograd node (`linear_soft_ce`): one
+# fused pass per step reads each logit and its teacher probability once and keeps the logit
+# gradient. SPECOPS_FUSED_LOSS: "auto" (default: on CUDA), "1" (also on the CPU: tests), "0" (the
+# separate form: lm_head through autograd, then `soft_cross_entropy`). History: in session 7 it was
+# off by default, after a real H200 run with it and the compiled layer regions trained at ~2K tok/s
+# (bench/results/h200-2026-12-03f/diagnosis.txt); its compiled pass then reduced [rows, Vd] to one
+# scalar inside a dynamic-shape graph, and now returns per-row values summed eagerly. Session 8's
+# lease ran it alone on the real features, two full epochs: 163.3K tok/s against 153.6K for the
+# separate form, 1.06x (bench/results/h200-2026-12-03g, results/lr-sweep.json).
+_FUSED_LOSS = os.environ.get("SPECOPS_FUSED_LOSS", "auto")
+if _FUSED_LOSS not in ("auto", "0", "1"):
+    raise ConfigError(f"SPECOPS_FUSED_LOSS: expected auto, 0 or 1, got {_FUSED_LOSS!r}")
+
+
+def fused_loss_on(device: torch.device) -> bool:
+    """Whether the TTT loop uses `linear_soft_ce` on this device (SPECOPS_FUSED_LOSS)."""
+    return _FUSED_LOSS == "1" or (_FUSED_LOSS == "auto" and device.type == "cuda")
+
+
 FeaturesFn = Callable[[list[torch.Tensor]], dict[str, Any]]
 
 
@@ -581,7 +593,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps
     slots_k = nz[:, 1].split(sizes)
     rows_k = row_src[nz[:, 0], nz[:, 1]].split(sizes)  # teacher after x_{t+1+k}
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
-    fused = _FUSED_LOSS and drafter.lm_head.bias is None
+    fused = fused_loss_on(hidden.device) and drafter.lm_head.bias is None
     loss = hidden.new_zeros((), dtype=torch.float32)
     ce_sums, corrects, all_logits = [], [], []
     for k in range(steps):
