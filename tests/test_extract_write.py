@@ -222,11 +222,11 @@ def test_write_path_benchmark_runs_and_reports(tmp_path, repo):
     out = tmp_path / "r.json"
     cmd = [sys.executable, str(repo / "bench" / "extract_write_cpu.py"), "--dir", str(tmp_path), "--gb", "0.004",
            "--hidden", "64", "--token-budget", "256", "--shard-tokens", "2048", "--min-len", "16", "--max-len", "200",
-           "--repeats", "1", "--pace", "0.5", "--verify", "--eager-writeback", "on", "--out", str(out)]  # fmt: skip
+           "--repeats", "1", "--pace", "0.5", "--verify", "--eager-writeback", "async", "--out", str(out)]  # fmt: skip
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     r = json.loads(out.read_text())
-    assert r["shards"] >= 2 and r["file_bytes"] > 4e6 and r["eager_writeback"] is True
+    assert r["shards"] >= 2 and r["file_bytes"] > 4e6 and r["eager_writeback"] == "async"
     rep = r["repeats"][0]
     assert rep["raw"]["bytes"] == rep["dd"]["bytes"] == r["file_bytes"]
     assert r["median_write_path_gb_s"] > 0 and r["median_ratio_to_dd"] > 0 and 0 < r["median_paced_ratio_to_forward"]

@@ -441,6 +441,42 @@ def test_linear_soft_ce_equals_autograd_reference(monkeypatch, compiled):
     assert not kernels.failed and (len(kernels.compiled) == 1) == compiled
 
 
+def test_ttt_unroll_with_the_shared_block_equals_the_dense_unroll(monkeypatch):
+    """The whole unroll with step 0's keys prepared once (ttt_block, the default) and every step's
+    RoPE computed up front gives the dense masked unroll's loss, per-step CE sums, hits and every
+    parameter gradient (fp64); and the up-front RoPE is each step's own."""
+    import specops.drafter.train as train_mod
+
+    torch.manual_seed(2)
+    drafter = Eagle3Drafter(DrafterConfig.debug()).double()
+    head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
+    teacher = Teacher(head, drafter.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=torch.float64)
+    batch, _ = _packed_batch(seed=5)
+    batch = dataclasses.replace(batch, aux=batch.aux.double(), final=batch.final.double())
+    targets = teacher_targets(teacher, batch)
+    monkeypatch.setattr(train_mod, "_FUSED_LOSS", "0")
+    res = []
+    for dense in (False, True):
+        monkeypatch.setattr(train_mod, "_TTT_DENSE", dense)
+        drafter.zero_grad(set_to_none=True)
+        out = ttt_forward(drafter, batch, targets, steps=6, decay=0.8)
+        out.loss.backward()
+        res.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}))
+    (o0, g0), (o1, g1) = res
+    # the separate form's CE runs in fp32 even on fp64 logits: fp32 tolerances there
+    torch.testing.assert_close(o0.loss, o1.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(o0.ce_sum, o1.ce_sum, rtol=1e-6, atol=1e-6)
+    assert o0.correct.tolist() == o1.correct.tolist() and o0.count.tolist() == o1.count.tolist()
+    assert g0.keys() == g1.keys() and "midlayer.self_attn.k_proj.weight" in g0
+    for n in g0:
+        torch.testing.assert_close(g0[n], g1[n], rtol=1e-5, atol=1e-8, msg=n)
+    offs = torch.arange(6).view(6, 1, 1)
+    cos_all, sin_all = drafter.rope(batch.pos[None] + offs)
+    for k in range(6):
+        cos, sin = drafter.rope(batch.pos + k)
+        assert torch.equal(cos_all[k], cos) and torch.equal(sin_all[k], sin)
+
+
 def test_fused_loss_switch_defaults_to_cuda_only(monkeypatch):
     """SPECOPS_FUSED_LOSS: "auto" (the default) fuses on CUDA only, "1" everywhere, "0" nowhere."""
     import specops.drafter.train as train_mod
@@ -883,3 +919,20 @@ def test_torch_load_is_weights_only():
     src = (REPO / "src" / "specops" / "drafter" / "train.py").read_text()
     calls = re.findall(r"torch\.load\(([^)]*)\)", src)
     assert calls and all("weights_only=True" in c for c in calls)
+
+
+def test_ttt_ops_bench_runs_and_reports(tmp_path):
+    """bench/ttt_ops.py: counts the unroll's dispatched ops (forward and backward) and times it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "r.json"
+    bench = Path(__file__).resolve().parents[1] / "bench" / "ttt_ops.py"
+    p = subprocess.run([sys.executable, str(bench), "--iters", "2", "--warmup", "0", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["ops"] == r["forward_ops"] + r["backward_ops"] and r["forward_ops"] > 100 and r["backward_ops"] > 100
+    assert r["min_ms"] > 0 and r["loss"] > 0 and dict(r["top_ops"]).get("aten.mm", 0) > 0

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
+from typing import Any
 
 from . import __version__
 from .errors import SpecopsError
@@ -413,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -423,6 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("httpx", "urllib3", "transformers", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # SIGTERM (`specops stop`, a scheduler, kill) stops like Ctrl-C from the first instruction on,
+    # unwinding every `finally` (locks, temp files): phases that handle it themselves (generate's
+    # graceful stop, serve) install their own handlers while they run and put this one back.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         return args.func(args)
     except SpecopsError as e:

@@ -367,15 +367,52 @@ class Attention(nn.Module):
 PROBE_PAD = 8  # extra head channels for ttt_attention's probe key (hi, lo, zeros): keeps head dims % 8
 
 
-def ttt_attention(q: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor],
-                  diag: list[tuple[torch.Tensor, torch.Tensor]], mask0: torch.Tensor) -> torch.Tensor:
+class TTTBlock(NamedTuple):
+    """Step 0's keys and values as every later TTT step's attention reads them (`ttt_block`)."""
+    keys: torch.Tensor  # [B, nh, Tk, d + PROBE_PAD]: the block, the probe key, masked zero keys
+    vals: torch.Tensor
+    mask: torch.Tensor  # bool [B or 1, 1, T, Tk]
+    T: int
+
+
+def ttt_block(block: tuple[torch.Tensor, torch.Tensor], mask0: torch.Tensor, nh: int) -> TTTBlock:
+    """The part of `ttt_attention` that is the same at every step k >= 1: step 0's (k, v) [B, nkv, T, d]
+    padded with the probe channels, the probe key, zero keys up to a multiple of 16 (the
+    memory-efficient kernel wants the mask's rows aligned; torch would otherwise pad a copy of it on
+    every call), GQA-expanded, and its mask. Built once per unroll, it saves each later step ~17
+    kernels forward and the matching backward (one node for the unroll instead of one per step)."""
+    k0, v0 = block
+    B, nkv, T, d = k0.shape
+    dt = k0.dtype
+    rep = nh // nkv
+    probe_k = torch.zeros(B, nkv, 1, d + PROBE_PAD, dtype=dt, device=k0.device)
+    probe_k[..., d:d + 2] = 1.0
+    probe_v = torch.zeros(B, nkv, 1, d + PROBE_PAD, dtype=dt, device=k0.device)
+    probe_v[..., d] = 1.0
+    Tk = (T + 1 + 15) // 16 * 16
+    pad = k0.new_zeros(B, nkv, T, PROBE_PAD)
+    tail = k0.new_zeros(B, nkv, Tk - T - 1, d + PROBE_PAD)
+    keys = torch.cat([torch.cat([k0, pad], -1), probe_k, tail], 2)  # [B, nkv, Tk, d+P]
+    vals = torch.cat([torch.cat([v0, pad], -1), probe_v, tail], 2)
+    if rep > 1:
+        keys = keys.repeat_interleave(rep, dim=1)
+        vals = vals.repeat_interleave(rep, dim=1)
+    mask = torch.zeros(*mask0.shape[:-1], Tk, dtype=torch.bool, device=k0.device)
+    mask[..., :T] = mask0
+    mask[..., T] = True  # the probe: every query sees it
+    return TTTBlock(keys, vals, mask, T)
+
+
+def ttt_attention(q: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor] | TTTBlock,
+                  diag: list[tuple[torch.Tensor, torch.Tensor]], mask0: torch.Tensor | None) -> torch.Tensor:
     """Attention of TTT step k >= 1 without the empty blocks.
 
-    q [B, nh, T, d]; block = step 0's (k, v) [B, nkv, T, d]; diag = steps 1..k's (k, v), own step
-    last; mask0 bool [B or 1, 1, T, T], the step-0 block (same document, causal). Query t of step k
-    sees step 0's keys under mask0 plus one key per later step, each at its own slot t: the dense
-    form (a [T, (k+1)·T] mask of which k diagonal blocks hold one entry per row) does ~(k+1)x the
-    score work of this one, and its masks grow with k.
+    q [B, nh, T, d]; block = step 0's (k, v) [B, nkv, T, d], or those prepared once by `ttt_block`
+    (then mask0 is not read); diag = steps 1..k's (k, v), own step last; mask0 bool [B or 1, 1, T, T],
+    the step-0 block (same document, causal). Query t of step k sees step 0's keys under mask0 plus
+    one key per later step, each at its own slot t: the dense form (a [T, (k+1)·T] mask of which k
+    diagonal blocks hold one entry per row) does ~(k+1)x the score work of this one, and its masks
+    grow with k.
 
     The k diagonal scores s_j = q_t·k_j,t (scaled) are exact per-slot dot products. Their softmax
     mass enters one masked SDPA over the block through a probe key: q gains channels holding
@@ -387,8 +424,10 @@ def ttt_attention(q: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor],
     equals softmax over all visible keys, gradients included (plain differentiable ops).
     """
     B, nh, T, d = q.shape
-    k0, v0 = block
-    nkv = k0.shape[1]
+    dt = q.dtype
+    if not isinstance(block, TTTBlock):
+        block = ttt_block((block[0].to(dt), block[1].to(dt)), mask0, nh)
+    nkv = diag[0][0].shape[1]
     rep = nh // nkv
     scale = 1.0 / math.sqrt(d)
     # Per-slot products as batched matmuls (no [.., T, d] intermediate per step j), in fp32 even
@@ -402,32 +441,15 @@ def ttt_attention(q: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor],
         w = torch.softmax(s, -1)
         wv = torch.einsum("bgrtj,bgjtd->bgrtd", w, vd)  # [B, nkv, rep, T, d]
     mq = (m / scale).reshape(B, nh, T, 1)
-    hi = mq.to(q.dtype)
-    lo = (mq - hi.float()).to(q.dtype)
-    dt = q.dtype
+    hi = mq.to(dt)
+    lo = (mq - hi.float()).to(dt)
     q2 = torch.cat([q, hi, lo, q.new_zeros(B, nh, T, PROBE_PAD - 2)], -1)
-    probe_k = torch.zeros(B, nkv, 1, d + PROBE_PAD, dtype=dt, device=q.device)
-    probe_k[..., d:d + 2] = 1.0
-    probe_v = torch.zeros(B, nkv, 1, d + PROBE_PAD, dtype=dt, device=q.device)
-    probe_v[..., d] = 1.0
-    # Keys: the block, the probe, then masked zero keys up to a multiple of 16 (the memory-efficient
-    # kernel wants the mask's rows aligned; torch would otherwise pad a copy of it on every call).
-    Tk = (T + 1 + 15) // 16 * 16
-    pad = k0.new_zeros(B, nkv, T, PROBE_PAD).to(dt)
-    tail = k0.new_zeros(B, nkv, Tk - T - 1, d + PROBE_PAD).to(dt)
-    keys = torch.cat([torch.cat([k0.to(dt), pad], -1), probe_k, tail], 2)  # [B, nkv, Tk, d+P]
-    vals = torch.cat([torch.cat([v0.to(dt), pad], -1), probe_v, tail], 2)
-    if rep > 1:
-        keys = keys.repeat_interleave(rep, dim=1)
-        vals = vals.repeat_interleave(rep, dim=1)
-    mask = torch.zeros(*mask0.shape[:-1], Tk, dtype=torch.bool, device=q.device)
-    mask[..., :T] = mask0
-    mask[..., T] = True  # the probe: every query sees it
+    keys, vals = block.keys.to(dt), block.vals.to(dt)  # no-ops but where the block came in another dtype
     if q.is_cuda and not _KEEP_CUDNN:
         with sdpa_kernel(_MASKED_BACKENDS):
-            out = F.scaled_dot_product_attention(q2, keys, vals, attn_mask=mask, scale=scale)
+            out = F.scaled_dot_product_attention(q2, keys, vals, attn_mask=block.mask, scale=scale)
     else:
-        out = F.scaled_dot_product_attention(q2, keys, vals, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q2, keys, vals, attn_mask=block.mask, scale=scale)
     alpha = out[..., d:d + 1].float()
     return (out[..., :d].float() + alpha * wv.reshape(B, nh, T, d)).to(dt)
 
@@ -581,6 +603,7 @@ class Eagle3Drafter(nn.Module):
         past_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         return_logits: bool = True,
         ttt: bool = False,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> DraftOut:
         """One drafter step.
 
@@ -589,10 +612,11 @@ class Eagle3Drafter(nn.Module):
         cat(past_kv..., this call's keys) (True = attend); None means causal with every past key
         visible. Returns the pre-norm hidden, logits (unless return_logits=False) and this call's kv.
         ttt=True: training's unroll, where past_kv = the kv of steps 0..k-1 of the same slots and
-        attn_mask = the step-0 block only (ttt_attention).
+        attn_mask = the step-0 block only (ttt_attention). rope: (cos, sin) of `positions` computed
+        already (training's unroll computes every step's at once).
         """
         embeds = self.embed_tokens(input_ids)
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions) if rope is None else rope
         h, kv = self.midlayer(embeds, hidden, cos, sin, attn_mask, list(past_kv or ()), ttt)
         return DraftOut(h, self.compute_logits(h) if return_logits else None, kv)
 

@@ -52,7 +52,7 @@ from torch import nn
 
 from ..campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json
 from ..errors import ConfigError, InputError, Interrupted
-from .model import CompiledOrEager, DrafterConfig, Eagle3Drafter, count_parameters, default_aux_layer_ids
+from .model import CompiledOrEager, DrafterConfig, Eagle3Drafter, count_parameters, default_aux_layer_ids, ttt_block
 
 log = logging.getLogger("specops.train")
 
@@ -593,14 +593,22 @@ def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps
     slots_k = nz[:, 1].split(sizes)
     rows_k = row_src[nz[:, 0], nz[:, 1]].split(sizes)  # teacher after x_{t+1+k}
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # Every step's RoPE (positions pos + k) in one pass, in the dtype q and k will have (the autocast
+    # dtype, else the weights'), so no step recomputes or casts it.
+    dev = hidden.device
+    rdt = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else drafter.fc.weight.dtype
+    offs = torch.arange(steps, device=batch.pos.device).view(steps, 1, 1)
+    cos_all, sin_all = (r.to(rdt) for r in drafter.rope(batch.pos[None] + offs))  # [K, B, T, d]
     fused = fused_loss_on(hidden.device) and drafter.lm_head.bias is None
     loss = hidden.new_zeros((), dtype=torch.float32)
     ce_sums, corrects, all_logits = [], [], []
     for k in range(steps):
         tokens = shift_left(batch.input_ids, 1 + k)  # [B, T]: x_{t+1+k}
         out = drafter(tokens, hidden, batch.pos + k, attn_mask=masks[k], past_kv=past, return_logits=False,
-                      ttt=not dense)
-        past.append(out.kv)
+                      ttt=not dense, rope=(cos_all[k], sin_all[k]))
+        # Steps >= 1 read step 0's keys in one prepared form (ttt_block): built once per unroll.
+        past.append(ttt_block(out.kv, masks[0], drafter.config.num_attention_heads)
+                    if k == 0 and not dense and steps > 1 else out.kv)
         hidden = out.hidden  # [B, T, H], the next step's hidden input (gradient flows through)
         rows = rows_k[k]
         sel = hidden.reshape(B * T, -1).index_select(0, slots_k[k])  # [n_k, H]

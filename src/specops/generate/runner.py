@@ -550,7 +550,9 @@ class Runner:
                 self.stop_reason = f"interrupted by {signame}"
                 self.stop.set()
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # the CLI's handlers (SIGTERM as Ctrl-C: `cli.main`) come back after the run
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in previous:
             loop.add_signal_handler(sig, on_signal, sig.name)
         hb_task = None
         exporter = None
@@ -593,8 +595,10 @@ class Runner:
                 await asyncio.gather(hb_task, return_exceptions=True)
             if exporter is not None:
                 await exporter.cleanup()
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig, handler in previous.items():
                 loop.remove_signal_handler(sig)
+                if handler is not None:
+                    signal.signal(sig, handler)
             if self._progress is not None:
                 self._progress.stop()
             try:
