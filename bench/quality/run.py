@@ -662,10 +662,36 @@ def phase_collect(work: Path) -> dict[str, Any]:
                 continue
             for ds, d in (r["summary"].get("datasets") or {}).items():
                 taus.setdefault(f"{ds}-{temp}", {})[who] = d.get("tau")
+    # all T=0 turns pooled: the evaluator's tau (mean of accepted + 1 over target steps) over every
+    # set's target steps together
+    for temp in ("t0", "t1"):
+        pooled = {}
+        for who in ("ours", "anchor"):
+            r = out.get(f"eval-{who}-{temp}")
+            sets = (r or {}).get("summary", {}).get("datasets") or {}
+            steps = sum(d.get("target_steps") or 0 for d in sets.values())
+            if steps:
+                pooled[who] = sum((d.get("tau") or 0) * (d.get("target_steps") or 0) for d in sets.values()) / steps
+        if len(pooled) == 2 and temp == "t0":
+            taus["all-t0"] = pooled
     for row in taus.values():
         if row.get("ours") and row.get("anchor"):
             row["ratio"] = row["ours"] / row["anchor"]
     out["tau"] = taus
+    # training rates, measured the same way for both (speculators_train.py --measure): the anchor's
+    # run, our main run, and the sweep's chosen variant (the drafter whose tau is above)
+    anchor_rate = (((out.get("anchor") or {}).get("summary") or {}).get("speculators") or {}).get("tokens_per_s")
+    sweep = out.get("lr-sweep") or {}
+    runs = sweep.get("runs") or {}
+    main_run = next((r for r in runs.values() if r.get("main")), {})
+    chosen = runs.get(sweep.get("chosen"), {})
+    train = {"anchor_tokens_per_s": anchor_rate, "ours_main_tokens_per_s": main_run.get("train_tokens_per_s"),
+             "ours_chosen": sweep.get("chosen"), "ours_chosen_tokens_per_s": chosen.get("train_tokens_per_s")}
+    for k in ("main", "chosen"):
+        v = train[f"ours_{k}_tokens_per_s"]
+        if v and anchor_rate:
+            train[f"ratio_{k}"] = v / anchor_rate
+    out["train"] = train
     write_result(work, "quality", out)
     return out
 
