@@ -25,9 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "src"), str(REPO / "tests")]
 
-from specops.drafter.model import DrafterConfig, Eagle3Drafter  # noqa: E402
-from specops.drafter.train import TargetHead, Teacher, teacher_targets, ttt_forward  # noqa: E402
-from test_train import _packed_batch  # noqa: E402  (the suite's packed batch: documents of several lengths)
+from specops.drafter.train import ttt_forward  # noqa: E402
+from test_train import debug_unroll  # noqa: E402  (the suite's debug drafter and packed batch)
 
 
 class _Count(TorchDispatchMode):
@@ -48,12 +47,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(1)
-    drafter = Eagle3Drafter(DrafterConfig.debug())
-    head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
-    teacher = Teacher(head, drafter.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=torch.float32)
-    batch, _ = _packed_batch(seed=3)
-    targets = teacher_targets(teacher, batch)
+    drafter, batch, targets = debug_unroll(1, 3)
 
     def unroll() -> torch.Tensor:
         out = ttt_forward(drafter, batch, targets, steps=a.steps, decay=0.8)

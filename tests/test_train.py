@@ -228,6 +228,19 @@ def _packed_batch(H=32, seed=0):
     final = torch.randn(B, T, H, generator=g)
     return Batch(ids, lm, doc, pos, end, aux, final, int((doc >= 0).sum())), rows
 
+def debug_unroll(seed: int, batch_seed: int, dtype: torch.dtype = torch.float32):
+    """A debug drafter, the packed batch of `_packed_batch(batch_seed)` and its teacher targets, in
+    `dtype` (CPU): what the unroll tests and bench/ttt_ops.py run."""
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(DrafterConfig.debug()).to(dtype)
+    head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
+    teacher = Teacher(head, drafter.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=dtype)
+    batch, _ = _packed_batch(seed=batch_seed)
+    if dtype != torch.float32:
+        batch = dataclasses.replace(batch, aux=batch.aux.to(dtype), final=batch.final.to(dtype))
+    return drafter, batch, teacher_targets(teacher, batch)
+
+
 
 def _reference(drafter, teacher, batch, rows, K, decay):
     """Run each document alone, one position at a time, with an explicit KV list per step."""
@@ -373,12 +386,7 @@ def test_ttt_dense_fallback_matches_reference(monkeypatch):
     """SPECOPS_TTT_DENSE=1 (the A/B baseline) still computes the same unroll."""
     import specops.drafter.train as train_mod
 
-    torch.manual_seed(1)
-    drafter = Eagle3Drafter(DrafterConfig.debug())
-    head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
-    teacher = Teacher(head, drafter.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=torch.float32)
-    batch, _ = _packed_batch(seed=3)
-    targets = teacher_targets(teacher, batch)
+    drafter, batch, targets = debug_unroll(1, 3)
     fast = ttt_forward(drafter, batch, targets, steps=5, decay=0.8)
     monkeypatch.setattr(train_mod, "_TTT_DENSE", True)
     dense = ttt_forward(drafter, batch, targets, steps=5, decay=0.8)
@@ -447,13 +455,7 @@ def test_ttt_unroll_with_the_shared_block_equals_the_dense_unroll(monkeypatch):
     parameter gradient (fp64); and the up-front RoPE is each step's own."""
     import specops.drafter.train as train_mod
 
-    torch.manual_seed(2)
-    drafter = Eagle3Drafter(DrafterConfig.debug()).double()
-    head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
-    teacher = Teacher(head, drafter.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=torch.float64)
-    batch, _ = _packed_batch(seed=5)
-    batch = dataclasses.replace(batch, aux=batch.aux.double(), final=batch.final.double())
-    targets = teacher_targets(teacher, batch)
+    drafter, batch, targets = debug_unroll(2, 5, torch.float64)
     monkeypatch.setattr(train_mod, "_FUSED_LOSS", "0")
     res = []
     for dense in (False, True):
@@ -492,13 +494,7 @@ def test_ttt_forward_fused_loss_equals_separate(monkeypatch):
     hits and every parameter gradient of the separate form (SPECOPS_FUSED_LOSS=0)."""
     import specops.drafter.train as train_mod
 
-    torch.manual_seed(1)
-    drafter = Eagle3Drafter(DrafterConfig.debug()).double()
-    head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
-    teacher = Teacher(head, drafter.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=torch.float64)
-    batch, _ = _packed_batch(seed=3)
-    batch = dataclasses.replace(batch, aux=batch.aux.double(), final=batch.final.double())
-    targets = teacher_targets(teacher, batch)
+    drafter, batch, targets = debug_unroll(1, 3, torch.float64)
     outs, grads = [], []
     for fused in ("1", "0"):
         monkeypatch.setattr(train_mod, "_FUSED_LOSS", fused)
