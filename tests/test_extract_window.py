@@ -468,16 +468,20 @@ def test_batch_window_config(tmp_path):
 def test_eager_writeback_mode_from_the_environment():
     """SPECOPS_EAGER_WRITEBACK: auto (default) = async with >= 8 usable CPUs, else off; 1/sync, 0/off,
     async as asked; anything else is refused when extract is imported."""
-    code = "from specops import extract; print(extract._EAGER_WRITEBACK, extract._usable_cpus())"
-    for env, want in ((None, None), ("auto", None), ("0", "off"), ("off", "off"), ("1", "sync"), ("SYNC", "sync"),
+    from specops import extract
+
+    auto = "async" if extract._usable_cpus() >= 8 else "off"
+    for env, want in ((None, auto), ("auto", auto), ("0", "off"), ("off", "off"), ("1", "sync"), ("SYNC", "sync"),
                       ("async", "async")):
-        e = {k: v for k, v in os.environ.items() if k != "SPECOPS_EAGER_WRITEBACK"}
-        if env is not None:
-            e["SPECOPS_EAGER_WRITEBACK"] = env
-        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
-        mode, cpus = out.stdout.split()
-        assert mode == (want or ("async" if int(cpus) >= 8 else "off")), (env, out.stderr[-2000:])
-    e = {**os.environ, "SPECOPS_EAGER_WRITEBACK": "sometimes"}
+        assert extract._resolve_writeback(env) == want, env
+    with pytest.raises(ConfigError, match="SPECOPS_EAGER_WRITEBACK: expected auto, async"):
+        extract._resolve_writeback("sometimes")
+    # the module reads it once, at import
+    code = "from specops import extract; print(extract._EAGER_WRITEBACK)"
+    e = {**os.environ, "SPECOPS_EAGER_WRITEBACK": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "sync", out.stderr[-2000:]
+    e["SPECOPS_EAGER_WRITEBACK"] = "sometimes"
     out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "SPECOPS_EAGER_WRITEBACK: expected auto, async" in out.stderr
 
