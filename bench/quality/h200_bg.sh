@@ -12,6 +12,7 @@ export PYTHONPATH=/tmp/site:$repo/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSF
 export SPECOPS_CACHE=/root/cache SPECULATORS_SITE=/tmp/specsite
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 echo "started $(date -u +%FT%TZ)" > "$W/results/bg.state"
+export QUALITY_T0=${QUALITY_T0:-$(date +%s)}  # run.py's sweep_start_by_s counts from here
 # The disk the features land on: sequential write speed with an fsync (extract's bound in bf16).
 if [ ! -f "$W/results/disk.txt" ]; then
   { dd if=/dev/zero of="$W/ddtest" bs=16M count=256 conv=fsync 2>&1 | tail -1; nproc; df -h "$W" | tail -1; } > "$W/results/disk.txt"

@@ -67,9 +67,12 @@ SCALES: dict[str, dict[str, Any]] = {
         # tokens/step, and a higher lr at 8,192 with the drafter layer's compiled regions
         # (SPECOPS_COMPILE_LAYER=auto, mathematically the same layer): alone on the device, its rate
         # is the real-data A/B of that form, and its timeout_s stops it if it is slow there.
-        sweep=({"lr": 1e-3, "batch_tokens": 4096, "timeout_s": 320},
-               {"lr": 2e-3, "batch_tokens": 8192, "env": {"SPECOPS_COMPILE_LAYER": "auto"}, "timeout_s": 200}),
-        sweep_timeout_s=240,
+        # The layer-regions variant runs first (its rate is the A/B; ~2 min); the 4,096 one (~4 min)
+        # only if it can start within sweep_start_by_s of the experiment's start: session 8's lease
+        # had ~3 minutes to spare, and the anchor and both evaluations come after the sweep.
+        sweep=({"lr": 2e-3, "batch_tokens": 8192, "env": {"SPECOPS_COMPILE_LAYER": "auto"}, "timeout_s": 200},
+               {"lr": 1e-3, "batch_tokens": 4096, "timeout_s": 320}),
+        sweep_timeout_s=240, sweep_start_by_s=780,
         # eval/checkpoint only at the end: a mid-run val pass or checkpoint would sit inside a metrics
         # window and count against our tokens/s (speculators' step times leave both out)
         log_every=20, eval_every=100000, checkpoint_every=100000, anchor_lr=1e-3, anchor_timeout_s=480,
@@ -127,6 +130,10 @@ K = 7
 # of compilation; bench/results/h200-2026-12-03c/anchor-warm-console.log). Its eager loss (plain
 # torch ops, compiled with the rest of the forward) trains: README-speculators.md.
 ANCHOR_GPU_ARGS = ("--loss-implementation", "eager")
+
+
+# when the experiment began: h200_bg.sh exports QUALITY_T0 (one lease runs several run.py phases)
+_T0 = float(os.environ.get("QUALITY_T0") or time.time())
 
 
 def log(msg: str) -> None:
@@ -377,12 +384,18 @@ def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_dra
     runs: dict[str, Any] = {main["name"]: {**_sweep_run(work / "campaign", main), "main": True}}
     failed = []
     camp_main = work / "campaign"
+    start_by = s.get("sweep_start_by_s")  # seconds after the experiment began (a lease is 30 minutes)
     for v in extra:
         key = v["name"]
         camp = work / "lr-sweep" / key
         if (r := prior.get(key)) and r.get("sim_tau") is not None and Path(r["export"], "config.json").is_file():
             log(f"lr-sweep: {key} done already")
             runs[key] = r
+            continue
+        if start_by is not None and time.time() - _T0 > start_by:
+            log(f"lr-sweep: {key} skipped: {time.time() - _T0:.0f} s into the experiment, past sweep_start_by_s "
+                f"{start_by} (the anchor and both evaluations still need the lease)")
+            runs[key] = {**{k: x for k, x in v.items() if k != "name"}, "variant": key, "skipped": "sweep_start_by_s"}
             continue
         try:
             if not any((camp_main / "features" / "train").glob("shard-*.safetensors")):
@@ -410,7 +423,7 @@ def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_dra
             except Exception:  # noqa: BLE001 - no metrics written yet
                 pass
             failed.append(key)
-    ok = [r for r in runs.values() if r.get("sim_tau") is not None]
+    ok = [r for r in runs.values() if r.get("sim_tau") is not None]  # skipped variants have none
     best = max(ok, key=lambda r: round(r["sim_tau"], 9))  # max() keeps the first of equals: main, then order
     link, tmp = work / "ours-drafter", work / ".ours-drafter.tmp"
     tmp.unlink(missing_ok=True)
@@ -735,7 +748,7 @@ def main() -> None:
                     help="override one entry of the scale (e.g. lr=1e-3, epochs=2, eval_limit=40); the value is "
                          "parsed as a Python literal, else kept as a string")
     args = ap.parse_args()
-    s = {"lr_sweep": (), "sweep": (), "sweep_timeout_s": None, **SCALES[args.scale]}
+    s = {"lr_sweep": (), "sweep": (), "sweep_timeout_s": None, "sweep_start_by_s": None, **SCALES[args.scale]}
     for kv in args.set:
         key, sep, val = kv.partition("=")
         if not sep or key not in s:
