@@ -182,11 +182,11 @@ def main() -> None:
         fp8 = specops_extract(target, work, lens, a.token_budget, "float8_e4m3fn", a.shard_tokens, batch_window=bw)
         tail = (specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, a.tail_split,
                                 batch_window=bw) if a.tail_split > 1 else None)  # fmt: skip
-        flipped = None
-        if a.writeback_ab:  # page cache + the finalizer's fsync (the default) vs sync_file_range after each write
-            from specops import extract as ex
+        from specops import extract as ex
 
-            default = ex._writeback_mode()
+        default = ex._writeback_mode()  # what the runs above used
+        flipped = None
+        if a.writeback_ab:  # the default writeback mode vs its opposite (off, or async where it is off)
             ex._EAGER_WRITEBACK = "async" if default == "off" else "off"
             try:
                 flipped = specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, tag="-wb",
@@ -223,7 +223,7 @@ def main() -> None:
             res["shards"]["bf16_writeback_flipped"] = {"shard_seconds": flipped["shard_seconds"],
                                                        "finalize_seconds": flipped["finalize_seconds"],
                                                        "timings": flipped["timings"]}
-        res.setdefault("eager_writeback_default", __import__("specops.extract").extract._writeback_mode())
+        res.setdefault("eager_writeback_default", default)
         if tail is not None:
             res.update({"tail_split": a.tail_split, "specops_bf16_tail_tok_s": round(tail["tokens_per_s"], 1),
                         "ratio_bf16_tail": round(tail["tokens_per_s"] / base, 3),

@@ -110,6 +110,14 @@ def test_kill9_at_several_points_then_resume(tmp_path):
     assert stats["done"] == N
 
 
+def holder_pid(pidfile: Path) -> int | None:
+    """The pid in the run's pid file, None while it is absent or half written."""
+    try:
+        return json.loads(pidfile.read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def test_second_runner_is_refused_by_the_lock(tmp_path):
     script = [{"match": ".*", "fault": "delay", "seconds": 0.5}]
     with start_fake_server(tmp_path / "srv", script=script, model="fake-model") as srv:
@@ -134,15 +142,10 @@ def test_second_runner_is_refused_by_the_lock(tmp_path):
         # The dead holder's lock is released by the kernel: a new runner takes over.
         third = start_runner(cfg, tmp_path / "third.log")
         deadline = time.time() + 30  # a loaded machine may take seconds to start Python
-        while time.time() < deadline and third.poll() is None:
-            try:
-                if json.loads(pidfile.read_text())["pid"] == third.pid:
-                    break
-            except (OSError, ValueError, KeyError):
-                pass
+        while time.time() < deadline and third.poll() is None and holder_pid(pidfile) != third.pid:
             time.sleep(0.05)
         assert third.poll() is None, (tmp_path / "third.log").read_text()
-        assert json.loads(pidfile.read_text())["pid"] == third.pid
+        assert holder_pid(pidfile) == third.pid
         # The lock holder's pid is written inside `cli.main`, after SIGTERM became an interrupt:
         # from here on a SIGTERM always ends it cleanly (130), whatever phase of start-up it is in.
         third.send_signal(signal.SIGTERM)

@@ -484,10 +484,8 @@ def _flusher() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _writeback_mode() -> str:
-    mode = _EAGER_WRITEBACK
-    if isinstance(mode, bool):  # an older form of the switch (tests set it so)
-        mode = "sync" if mode else "off"
-    return mode if _sync_file_range is not None else "off"
+    """The mode a new shard writer takes: `_EAGER_WRITEBACK`, or off where sync_file_range is missing."""
+    return _EAGER_WRITEBACK if _sync_file_range is not None else "off"
 
 
 class ShardWriter:

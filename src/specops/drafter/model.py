@@ -597,7 +597,7 @@ class Eagle3Drafter(nn.Module):
         self,
         input_ids: torch.Tensor,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         *,
         attn_mask: torch.Tensor | None = None,
         past_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -612,11 +612,15 @@ class Eagle3Drafter(nn.Module):
         cat(past_kv..., this call's keys) (True = attend); None means causal with every past key
         visible. Returns the pre-norm hidden, logits (unless return_logits=False) and this call's kv.
         ttt=True: training's unroll, where past_kv = the kv of steps 0..k-1 of the same slots and
-        attn_mask = the step-0 block only (ttt_attention). rope: (cos, sin) of `positions` computed
-        already (training's unroll computes every step's at once).
+        attn_mask = the step-0 block only (ttt_attention). rope: (cos, sin) of the positions computed
+        already (training's unroll computes every step's at once); positions may then be None.
         """
         embeds = self.embed_tokens(input_ids)
-        cos, sin = self.rope(positions) if rope is None else rope
+        if rope is None:
+            if positions is None:
+                raise ValueError("Eagle3Drafter.forward: positions or rope is required")
+            rope = self.rope(positions)
+        cos, sin = rope
         h, kv = self.midlayer(embeds, hidden, cos, sin, attn_mask, list(past_kv or ()), ttt)
         return DraftOut(h, self.compute_logits(h) if return_logits else None, kv)
 

@@ -604,8 +604,8 @@ def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps
     ce_sums, corrects, all_logits = [], [], []
     for k in range(steps):
         tokens = shift_left(batch.input_ids, 1 + k)  # [B, T]: x_{t+1+k}
-        out = drafter(tokens, hidden, batch.pos + k, attn_mask=masks[k], past_kv=past, return_logits=False,
-                      ttt=not dense, rope=(cos_all[k], sin_all[k]))
+        out = drafter(tokens, hidden, None, attn_mask=masks[k], past_kv=past, return_logits=False,
+                      ttt=not dense, rope=(cos_all[k], sin_all[k]))  # positions pos + k: in cos_all[k]
         # Steps >= 1 read step 0's keys in one prepared form (ttt_block): built once per unroll.
         past.append(ttt_block(out.kv, masks[0], drafter.config.num_attention_heads)
                     if k == 0 and not dense and steps > 1 else out.kv)
