@@ -48,3 +48,16 @@ def test_every_scale_gives_valid_variants(quality):
     # the anchor at its own default tokens per step, the same as our main recipe
     assert h200["anchor_total_seq_len"] == 8192 == h200["batch_tokens"]
     assert quality.anchor_seq_len(h200) == 8192
+
+
+def test_h200_sweep_starts_with_the_cuda_graph_ab_of_the_main_recipe(quality):
+    """The first variant is the main recipe with train.cuda_graphs alone (its rate against the main
+    run's is the real-data A/B); the variant writes a config the trainer accepts."""
+    from specops.config import TrainSection
+
+    h200 = quality.SCALES["h200"]
+    first = quality.sweep_variants(h200)[0]
+    assert first["name"] == "lr-0.0015_cuda_graphs-True"
+    overrides = {k: v for k, v in first.items() if k not in quality._NOT_TRAIN}
+    assert overrides == {"cuda_graphs": True}
+    assert TrainSection(**overrides).cuda_graphs is True

@@ -63,15 +63,18 @@ SCALES: dict[str, dict[str, Any]] = {
         # same build, features, epochs and seed). Session 8 (val sim tau, 2 epochs, 10,501 samples):
         # lr 1e-3 at 16,384 tokens/step 1.984, lr 2e-3 2.082, lr 3e-3 2.018, lr 1.5e-3 at 8,192
         # tokens/step 2.257 (chosen; measured tau 1.05x the anchor's). So the main run is that
-        # recipe now, and the variants go on towards more optimizer steps per epoch: 4,096
-        # tokens/step, and a higher lr at 8,192 with the drafter layer's compiled regions
-        # (SPECOPS_COMPILE_LAYER=auto, mathematically the same layer): alone on the device, its rate
-        # is the real-data A/B of that form, and its timeout_s stops it if it is slow there.
-        # The layer-regions variant runs first (its rate is the A/B; ~2 min); the 4,096 one (~4 min)
-        # only if it can start within sweep_start_by_s of the experiment's start: session 8's lease
-        # had ~3 minutes to spare, and the anchor and both evaluations come after the sweep.
-        sweep=({"lr": 2e-3, "batch_tokens": 8192, "env": {"SPECOPS_COMPILE_LAYER": "auto"}, "timeout_s": 200},
-               {"lr": 1e-3, "batch_tokens": 4096, "timeout_s": 320}),
+        # recipe now. Session 9's variants, in order (each alone on the device, capped in time):
+        # - the main recipe with train.cuda_graphs (drafter/graphs.py: each micro-batch's forward +
+        #   backward replayed as a CUDA graph; rows padded to 128): its rate against the main run's
+        #   is the real-data A/B of graphs (session 8: a step at 8,192 tokens cost 78 % of one at
+        #   16,384, so the step was bound by the host's kernel launches);
+        # - 4,096 tokens/step with graphs (more optimizer steps per epoch, which is what helped in
+        #   session 8, at a rate the host no longer caps);
+        # - lr 2e-3 at 8,192 with the drafter layer's compiled regions (SPECOPS_COMPILE_LAYER=auto),
+        #   the real-data A/B of that form, only if it can still start within sweep_start_by_s.
+        sweep=({"cuda_graphs": True, "timeout_s": 240},
+               {"lr": 1e-3, "batch_tokens": 4096, "cuda_graphs": True, "timeout_s": 300},
+               {"lr": 2e-3, "batch_tokens": 8192, "env": {"SPECOPS_COMPILE_LAYER": "auto"}, "timeout_s": 200}),
         sweep_timeout_s=240, sweep_start_by_s=780,
         # eval/checkpoint only at the end: a mid-run val pass or checkpoint would sit inside a metrics
         # window and count against our tokens/s (speculators' step times leave both out)
@@ -316,7 +319,7 @@ def sweep_variants(s: dict[str, Any]) -> list[dict[str, Any]]:
 
 # what a sweep variant may change: train.* keys (the same data and epochs always) and trainer switches
 SWEEP_KEYS = {"lr", "batch_tokens", "loss_decay", "warmup_steps", "min_lr_ratio", "weight_decay",
-              "norm_before_residual", "max_grad_norm", "env", "timeout_s"}
+              "norm_before_residual", "max_grad_norm", "cuda_graphs", "graph_bucket", "env", "timeout_s"}
 _NOT_TRAIN = ("name", "env", "timeout_s")  # variant keys that are not train.* overrides
 
 
@@ -361,7 +364,14 @@ def _sweep_run(camp: Path, variant: dict[str, Any]) -> dict[str, Any]:
             "train_tokens_per_s": rate.get("tokens_per_s"), "train_tokens_per_s_all": rate.get("tokens_per_s_all"),
             "train_steps": rate.get("steps"), "train_elapsed_s": rate.get("elapsed_s"),
             "wall_s": (t(ph["export"]["done_at"]) - t(ph["train"]["running_at"])).total_seconds(),
-            "export": str(export / "vllm"), "exports": sorted(p.name for p in export.iterdir() if p.is_dir())}
+            "export": str(export / "vllm"), "exports": sorted(p.name for p in export.iterdir() if p.is_dir()),
+            # train.cuda_graphs: shapes captured, replays, eager steps, capture seconds, why off if it went off
+            "cuda_graphs": (((read_json_or(camp / "drafter" / "manifest.json").get("train") or {}).get("summary") or {})
+                            .get("cuda_graphs"))}
+
+
+def read_json_or(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_drafter: Path | None = None) -> None:

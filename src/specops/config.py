@@ -198,6 +198,11 @@ class TrainSection:
     max_seq_len: int | None = None  # truncate longer samples; default: as build wrote them
     grad_accum: int = 1
     prefetch: bool = True  # offline: read and collate the next batches on a thread (order unchanged)
+    # Each micro-batch's forward + backward replayed as a CUDA graph (drafter/graphs.py): rows padded
+    # to a multiple of graph_bucket tokens, one graph per batch shape. One process only (not under
+    # DDP). On a CPU the same static step runs eagerly.
+    cuda_graphs: bool = False
+    graph_bucket: int = 128
     max_grad_norm: float = 0.5
     weight_decay: float = 0.0
     log_every: int = 10
@@ -212,7 +217,8 @@ class TrainSection:
 
     def __post_init__(self) -> None:
         for k in ("ttt_steps", "epochs", "batch_tokens", "grad_accum", "log_every", "eval_every",
-                  "checkpoint_every", "keep_checkpoints", "total_steps", "max_seq_len", "draft_vocab_size"):
+                  "checkpoint_every", "keep_checkpoints", "total_steps", "max_seq_len", "draft_vocab_size",
+                  "graph_bucket"):
             v = getattr(self, k)
             if v is not None and v <= 0:
                 raise ConfigError(f"train.{k}: must be > 0, got {v}")

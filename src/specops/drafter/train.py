@@ -52,6 +52,7 @@ from torch import nn
 
 from ..campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json
 from ..errors import ConfigError, InputError, Interrupted
+from .graphs import GraphedMicroStep
 from .model import CompiledOrEager, DrafterConfig, Eagle3Drafter, count_parameters, default_aux_layer_ids, ttt_block
 
 log = logging.getLogger("specops.train")
@@ -277,6 +278,11 @@ class TokenSplit:
         return Sample(self.ids[a:b], self.mask[a:b])
 
 
+def bucketed(lengths: list[int], bucket: int) -> list[int]:
+    """Each length rounded up to a multiple of `bucket` (the padded rows of `collate(pad_to=bucket)`)."""
+    return [-(-n // bucket) * bucket for n in lengths]
+
+
 def make_batches(lengths: list[int], batch_tokens: int, *, seed: int | None, epoch: int = 0) -> list[list[int]]:
     """Length-bucketed batches: padded size (rows × longest) <= batch_tokens (a longer sample goes
     alone). seed None: no shuffle (validation). Otherwise the order is shuffled, sorted by length
@@ -328,11 +334,13 @@ class Batch:
         return Batch(**{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in kw.items()})
 
 
-def collate(rows: list[list[Sample]], *, pin: bool = False) -> Batch:
+def collate(rows: list[list[Sample]], *, pin: bool = False, pad_to: int = 1) -> Batch:
     """rows[r] = the documents packed into row r (in order). Each sample must carry aux/final.
     pin: allocate the host tensors in page-locked memory, so that the copy to the GPU can run
-    asynchronously (`Batch.to(..., non_blocking=True)`) while the GPU works on the previous step."""
+    asynchronously (`Batch.to(..., non_blocking=True)`) while the GPU works on the previous step.
+    pad_to: the row length is rounded up to a multiple of it (CUDA graphs: few distinct shapes)."""
     T = max(sum(s.input_ids.numel() for s in docs) for docs in rows)
+    T = -(-T // pad_to) * pad_to
     B = len(rows)
     first = rows[0][0]
     Ht, H = first.aux.shape[-1], first.final.shape[-1]
@@ -522,16 +530,20 @@ class _LinearSoftCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor,
-                tgt: torch.Tensor, scale: float):
+                tgt: torch.Tensor, scale: float | torch.Tensor, valid: torch.Tensor | None):
         dev = h.device.type
         dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
         hc, wc = h.to(dt), weight.to(dt)
         with torch.autocast(dev, enabled=False):
             logits = hc @ wc.T  # [n, Vd]
             ce, grad, hit = LOSS_KERNELS.fused(logits, p_all, rows, tgt)
-            ce_sum, correct = ce.sum(), hit.sum()
+            if valid is None:
+                ce_sum, correct = ce.sum(), hit.sum()
+            else:  # rows that do not count: out of the sums, and their gradient rows are zeroed below
+                ce_sum, correct = torch.where(valid, ce, 0.0).sum(), (hit & valid).sum()
+                hc = hc * valid[:, None].to(dt)  # exact (x 0 or 1): keeps them out of lm_head's gradient
         del logits, ce, hit
-        ctx.save_for_backward(grad, hc, wc)
+        ctx.save_for_backward(grad, hc, wc, valid)
         ctx.scale = scale
         ctx.dtypes = (h.dtype, weight.dtype)
         ctx.mark_non_differentiable(ce_sum, correct)
@@ -539,21 +551,27 @@ class _LinearSoftCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss: torch.Tensor, _g_ce: Any, _g_correct: Any):
-        grad, hc, wc = ctx.saved_tensors
-        s = (g_loss.float() * ctx.scale).to(grad.dtype)
+        grad, hc, wc, valid = ctx.saved_tensors
+        s = (g_loss.to(torch.promote_types(g_loss.dtype, torch.float32)) * ctx.scale).to(grad.dtype)
         gh = gw = None
         if ctx.needs_input_grad[0]:
-            gh = (grad @ wc).mul_(s).to(ctx.dtypes[0])
+            gh = (grad @ wc).mul_(s)
+            if valid is not None:
+                gh = torch.where(valid[:, None], gh, 0.0)
+            gh = gh.to(ctx.dtypes[0])
         if ctx.needs_input_grad[1]:
             gw = (grad.T @ hc).mul_(s).to(ctx.dtypes[1])
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def linear_soft_ce(h: torch.Tensor, weight: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor,
-                   tgt: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   tgt: torch.Tensor, scale: float | torch.Tensor, valid: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [n, H] (normed drafter states), weight [Vd, H] (lm_head), p_all float32 [M, Vd], rows int64 [n],
-    tgt int64 [n] (teacher argmax per row) -> (scale · ce sum: differentiable, ce sum, argmax hits)."""
-    return _LinearSoftCE.apply(h, weight, p_all, rows, tgt, scale)
+    tgt int64 [n] (teacher argmax per row), scale a float or a 0-d tensor -> (scale · ce sum:
+    differentiable, ce sum, argmax hits). valid bool [n] (optional): only those rows count, in the sums
+    and in the gradients (the static unroll's masked slots)."""
+    return _LinearSoftCE.apply(h, weight, p_all, rows, tgt, scale, valid)
 
 
 class TTTOut(NamedTuple):
@@ -574,24 +592,12 @@ def ttt_masks(doc: torch.Tensor, steps: int) -> list[torch.Tensor]:
     return [torch.cat([block0] + [diag] * k, dim=-1) for k in range(steps)]
 
 
-def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps: int, decay: float,
-                return_logits: bool = False) -> TTTOut:
-    B, T = batch.input_ids.shape
-    slot = torch.arange(T, device=batch.doc.device)
+def ttt_unroll(drafter: Eagle3Drafter, batch: Batch, steps: int):
+    """The unroll's drafter steps: yields step k's output hidden [B, T, H] (pre-norm), k = 0..steps-1.
+    The loss on each step is the caller's (`ttt_forward`, `ttt_forward_static`)."""
     hidden = drafter.fuse(batch.aux)  # [B, T, H]
     dense = _TTT_DENSE
     masks = ttt_masks(batch.doc, steps) if dense else [ttt_masks(batch.doc, 1)[0]] * steps
-    # Every step's counted slots depend on the batch alone: found up front with one nonzero over
-    # [K, B*T] (row-major, so each step's slots keep the order of a boolean index), instead of two
-    # host syncs per step. valid_k: x_{t+2+k} is in the document and trainable.
-    valid = torch.stack([(batch.doc >= 0) & (slot + 2 + k < batch.doc_end)
-                         & shift_left(batch.loss_mask, 2 + k, False) for k in range(steps)]).view(steps, B * T)
-    row_src = torch.stack([shift_left(targets.row_of, 1 + k, -1) for k in range(steps)]).view(steps, B * T)
-    nz = valid.nonzero()  # [N, 2]: (step, slot)
-    n_per = valid.sum(1)  # [K] on the device (the counts below)
-    sizes = n_per.tolist()  # the queue is drained already: no second wait
-    slots_k = nz[:, 1].split(sizes)
-    rows_k = row_src[nz[:, 0], nz[:, 1]].split(sizes)  # teacher after x_{t+1+k}
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
     # Every step's RoPE (positions pos + k) in one pass, in the dtype q and k will have (the autocast
     # dtype, else the weights'), so no step recomputes or casts it.
@@ -599,9 +605,6 @@ def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps
     rdt = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else drafter.fc.weight.dtype
     offs = torch.arange(steps, device=batch.pos.device).view(steps, 1, 1)
     cos_all, sin_all = (r.to(rdt) for r in drafter.rope(batch.pos[None] + offs))  # [K, B, T, d]
-    fused = fused_loss_on(hidden.device) and drafter.lm_head.bias is None
-    loss = hidden.new_zeros((), dtype=torch.float32)
-    ce_sums, corrects, all_logits = [], [], []
     for k in range(steps):
         tokens = shift_left(batch.input_ids, 1 + k)  # [B, T]: x_{t+1+k}
         out = drafter(tokens, hidden, None, attn_mask=masks[k], past_kv=past, return_logits=False,
@@ -610,6 +613,34 @@ def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps
         past.append(ttt_block(out.kv, masks[0], drafter.config.num_attention_heads)
                     if k == 0 and not dense and steps > 1 else out.kv)
         hidden = out.hidden  # [B, T, H], the next step's hidden input (gradient flows through)
+        yield hidden
+
+
+def counted_slots(batch: Batch, steps: int) -> torch.Tensor:
+    """bool [K, B*T]: slot t counts at step k iff x_{t+2+k} is in its document and trainable."""
+    B, T = batch.input_ids.shape
+    slot = torch.arange(T, device=batch.doc.device)
+    return torch.stack([(batch.doc >= 0) & (slot + 2 + k < batch.doc_end)
+                        & shift_left(batch.loss_mask, 2 + k, False) for k in range(steps)]).view(steps, B * T)
+
+
+def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps: int, decay: float,
+                return_logits: bool = False) -> TTTOut:
+    B, T = batch.input_ids.shape
+    # Every step's counted slots depend on the batch alone: found up front with one nonzero over
+    # [K, B*T] (row-major, so each step's slots keep the order of a boolean index), instead of two
+    # host syncs per step. valid_k: x_{t+2+k} is in the document and trainable.
+    valid = counted_slots(batch, steps)
+    row_src = torch.stack([shift_left(targets.row_of, 1 + k, -1) for k in range(steps)]).view(steps, B * T)
+    nz = valid.nonzero()  # [N, 2]: (step, slot)
+    n_per = valid.sum(1)  # [K] on the device (the counts below)
+    sizes = n_per.tolist()  # the queue is drained already: no second wait
+    slots_k = nz[:, 1].split(sizes)
+    rows_k = row_src[nz[:, 0], nz[:, 1]].split(sizes)  # teacher after x_{t+1+k}
+    fused = fused_loss_on(batch.doc.device) and drafter.lm_head.bias is None
+    loss = batch.aux.new_zeros((), dtype=torch.float32)
+    ce_sums, corrects, all_logits = [], [], []
+    for k, hidden in enumerate(ttt_unroll(drafter, batch, steps)):
         rows = rows_k[k]
         sel = hidden.reshape(B * T, -1).index_select(0, slots_k[k])  # [n_k, H]
         if fused:
@@ -627,6 +658,53 @@ def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps
         if return_logits:
             all_logits.append(drafter.compute_logits(hidden).float())
     return TTTOut(loss, torch.stack(ce_sums), torch.stack(corrects), n_per, all_logits if return_logits else None)
+
+
+def ttt_forward_static(drafter: Eagle3Drafter, teacher: Teacher, batch: Batch, *, steps: int,
+                       decay: float) -> TTTOut:
+    """The teacher and the unroll's loss with no host sync and no shape that depends on the data, so
+    that the forward and backward of a micro-batch can be captured as one CUDA graph (`graphs.py`).
+
+    The same loss as `teacher_targets` + `ttt_forward`: those select the counted slots (a nonzero, a
+    host sync, and [n_k, ...] shapes that change with every batch); here the teacher runs on every
+    slot of the batch and every step's lm_head + soft CE on every slot, the slots that do not count
+    masked out of the sums (weight 0), and the per-step means divide by counts that stay on the
+    device. The extra work is the padding and the slots no step counts (prompts, document tails)."""
+    B, T = batch.input_ids.shape
+    N = B * T
+    dev = batch.doc.device
+    t_logits = teacher.logits(batch.final.reshape(N, -1))  # [N, Vd] float32, no grad
+    p_all = torch.softmax(t_logits, dim=-1)
+    t_arg = t_logits.argmax(-1)
+    del t_logits
+    valid = counted_slots(batch, steps)  # [K, N]
+    n_per = valid.sum(1)  # [K]
+    inv = 1.0 / n_per.clamp(min=1).to(torch.promote_types(batch.aux.dtype, torch.float32))
+    # step k at slot t reads the teacher after x_{t+1+k}: slot t+1+k of the same row (clamped at the
+    # row's end, where no slot counts)
+    base = (torch.arange(B, device=dev) * T)[:, None]
+    slot = torch.arange(T, device=dev)
+    fused = fused_loss_on(dev) and drafter.lm_head.bias is None
+    loss = batch.aux.new_zeros((), dtype=torch.float32)
+    ce_sums, corrects = [], []
+    for k, hidden in enumerate(ttt_unroll(drafter, batch, steps)):
+        rows = (base + (slot + 1 + k).clamp(max=T - 1)).view(N)
+        h = hidden.reshape(N, -1)
+        tgt = t_arg[rows]
+        scale = inv[k] * (decay ** k)
+        if fused:
+            part, ce_sum, correct = linear_soft_ce(drafter.norm(h), drafter.lm_head.weight, p_all, rows, tgt,
+                                                   scale, valid[k])
+        else:
+            logits = drafter.compute_logits(h)  # [N, Vd]
+            ce = torch.where(valid[k], soft_cross_entropy(logits, p_all, rows), 0.0)  # [N] float32
+            part = ce.sum() * scale.to(ce.dtype)  # as the selecting form: the CE and its sums in fp32
+            ce_sum = ce.detach().sum()
+            correct = ((logits.detach().argmax(-1) == tgt) & valid[k]).sum()
+        loss = loss + part
+        ce_sums.append(ce_sum)
+        corrects.append(correct)
+    return TTTOut(loss, torch.stack(ce_sums), torch.stack(corrects), n_per, None)
 
 
 class TTTModule(nn.Module):
@@ -977,7 +1055,23 @@ class _Trainer:
             lr=tc.lr, betas=(0.9, 0.95), fused=self.cuda or None,
         )
         self.per_step = dist.world * tc.grad_accum  # micro-batches per optimizer step, all ranks
-        n0 = len(make_batches(self.train_split.lengths, tc.batch_tokens, seed=self.seed, epoch=0))
+        # CUDA graphs: the static unroll (no host sync), rows padded to graph_bucket, batches planned
+        # with the padded lengths; one process only (DDP's hooks cannot be captured here).
+        self.micro: GraphedMicroStep | None = None
+        self.pad_to = 1
+        if tc.cuda_graphs:
+            if dist.world > 1:
+                log.warning("train.cuda_graphs: not under DDP (%d processes); the eager step runs", dist.world)
+            else:
+                self.pad_to = tc.graph_bucket
+                self.micro = GraphedMicroStep(
+                    lambda b: ttt_forward_static(self.drafter, self.teacher, b, steps=tc.ttt_steps, decay=tc.loss_decay),
+                    self.params, self.device, loss_scale=1.0 / tc.grad_accum, use_graphs=self.cuda,
+                    # autocast's cast cache must stay off while a graph is captured
+                    autocast=lambda: (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
+                                      if self.cuda else contextlib.nullcontext()))
+        self.plan_lengths = bucketed(self.train_split.lengths, self.pad_to)
+        n0 = len(make_batches(self.plan_lengths, tc.batch_tokens, seed=self.seed, epoch=0))
         self.steps_per_epoch = n0 // self.per_step
         if self.steps_per_epoch == 0:
             raise InputError(f"train split gives {n0} batches of {tc.batch_tokens} tokens, fewer than "
@@ -997,8 +1091,7 @@ class _Trainer:
         if epoch not in self._batches:
             for old in [e for e in self._batches if e < epoch - 1]:
                 del self._batches[old]
-            self._batches[epoch] = make_batches(self.train_split.lengths, self.tc.batch_tokens,
-                                                seed=self.seed, epoch=epoch)
+            self._batches[epoch] = make_batches(self.plan_lengths, self.tc.batch_tokens, seed=self.seed, epoch=epoch)
         return self._batches[epoch]
 
     def upcoming(self, epoch: int, micro_in_epoch: int, steps: int) -> list[tuple[tuple[int, int], list[int]]]:
@@ -1016,15 +1109,15 @@ class _Trainer:
             micro_in_epoch += self.per_step
         return out
 
-    def load_host_batch(self, split, idxs: list[int]) -> Batch:
+    def load_host_batch(self, split, idxs: list[int], pad_to: int = 1) -> Batch:
         """Read + collate on the host (pinned when training on CUDA); safe on the prefetch thread."""
-        return collate([[split.get(i)] for i in idxs], pin=self.cuda)
+        return collate([[split.get(i)] for i in idxs], pin=self.cuda, pad_to=pad_to)
 
-    def load_batch(self, split, idxs: list[int]) -> Batch:
+    def load_batch(self, split, idxs: list[int], pad_to: int = 1) -> Batch:
         samples = [split.get(i) for i in idxs]
         if self.features_fn is not None and samples[0].aux is None:
             _attach_features(samples, self.features_fn, self.feat_dtype)
-        return collate([[s] for s in samples], pin=self.cuda).to(self.device)
+        return collate([[s] for s in samples], pin=self.cuda, pad_to=pad_to).to(self.device)
 
     def write_metrics(self, row: dict[str, Any]) -> None:
         with open(self.metrics_path, "a") as f:
@@ -1117,7 +1210,8 @@ class _Trainer:
         last_ckpt = step if resumed_from is not None else None
         val = None
         # Offline features: read ahead on a thread (two optimizer steps' micro-batches in flight).
-        prefetch = (_Prefetcher(lambda idxs: self.load_host_batch(self.train_split, idxs), depth=2 * tc.grad_accum)
+        prefetch = (_Prefetcher(lambda idxs: self.load_host_batch(self.train_split, idxs, self.pad_to),
+                                depth=2 * tc.grad_accum)
                     if self.features_fn is None and tc.prefetch else None)
         with _StopFlag() as stop, contextlib.ExitStack() as stack:
             if prefetch is not None:
@@ -1128,7 +1222,7 @@ class _Trainer:
                 if first + self.per_step > len(batches):
                     epoch, micro_in_epoch = epoch + 1, 0
                     continue
-                self.optimizer.zero_grad(set_to_none=True)
+                self.optimizer.zero_grad(set_to_none=self.micro is None)  # graphs write the same .grad
                 step_tokens = 0
                 if prefetch is not None:
                     prefetch.want(self.upcoming(epoch, micro_in_epoch, min(2, stop_at - step)))
@@ -1136,19 +1230,23 @@ class _Trainer:
                     bi = first + m * dist.world + dist.rank
                     idxs = batches[bi]
                     if prefetch is not None:
-                        batch = prefetch.get((epoch, bi), idxs).to(self.device)
+                        batch = prefetch.get((epoch, bi), idxs)  # on the host (pinned on CUDA)
                         if m == 0:  # the next steps' batches start loading while this step computes
                             prefetch.want(self.upcoming(epoch, micro_in_epoch + self.per_step,
                                                         min(2, stop_at - step - 1)))
                     else:
-                        batch = self.load_batch(self.train_split, idxs)
-                    targets = teacher_targets(self.teacher, batch)
-                    sync = m == tc.grad_accum - 1 or dist.world == 1
-                    ctx = contextlib.nullcontext() if sync else self.model.no_sync()
-                    with ctx:
-                        with self.autocast():
-                            out = self.model(batch, targets)
-                        (out.loss / tc.grad_accum).backward()
+                        batch = self.load_batch(self.train_split, idxs, self.pad_to)
+                    if self.micro is not None:  # forward + backward: a graph replay once the shape is captured
+                        out = self.micro.step(batch)
+                    else:
+                        batch = batch.to(self.device)
+                        targets = teacher_targets(self.teacher, batch)
+                        sync = m == tc.grad_accum - 1 or dist.world == 1
+                        ctx = contextlib.nullcontext() if sync else self.model.no_sync()
+                        with ctx:
+                            with self.autocast():
+                                out = self.model(batch, targets)
+                            (out.loss / tc.grad_accum).backward()
                     window[0] += out.loss.detach().double()
                     window[1] += batch.n_tokens
                     step_tokens += batch.n_tokens
@@ -1217,6 +1315,9 @@ class _Trainer:
             "tokens_seen": tokens_seen,
             "elapsed_s": round(time.time() - self.started, 3),
         }
+        if self.micro is not None:
+            summary["cuda_graphs"] = self.micro.summary()
+            log.info("train: cuda graphs %s", summary["cuda_graphs"])
         if rank0:
             self.write_manifest(state="done" if summary["finished"] else "partial", resumed_from=resumed_from,
                                 summary=summary)
