@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--profile", type=Path)
     ap.add_argument("--profile-skip", type=int, default=3, metavar="N")
     ap.add_argument("--vary-len", type=int, metavar="MIN")
+    ap.add_argument("--cuda-graphs", action="store_true", help="train.cuda_graphs (drafter/graphs.py)")
+    ap.add_argument("--graph-bucket", type=int, default=128)
     a = ap.parse_args()
     shapes = {"tiny": (64, 8, 512, 128, 128, 4, 2), "8b": (4096, 32, 128256, 32000, 14336, 32, 8),
               "smollm2": (576, 30, 49152, 32000, 1536, 9, 3)}
@@ -114,7 +116,8 @@ def main() -> None:
             "target": {"model": str(tdir)},
             "train": {"ttt_steps": a.ttt, "batch_tokens": a.batch_tokens, "warmup_steps": 2,
                       "total_steps": a.steps, "log_every": 2, "eval_every": 10 ** 6,
-                      "checkpoint_every": 10 ** 6, "max_seq_len": a.seq_len},
+                      "checkpoint_every": 10 ** 6, "max_seq_len": a.seq_len,
+                      "cuda_graphs": a.cuda_graphs, "graph_bucket": a.graph_bucket},
             "datasets": [{"name": "d", "path": str(work / "d.jsonl")}],
         })
         camp = Campaign.create_or_open(cfg)
@@ -134,7 +137,7 @@ def main() -> None:
             prof.__enter__()
             hook = register_optimizer_step_post_hook(lambda *_: prof.step())
         t0 = time.perf_counter()
-        run_train(cfg, camp, max_steps=a.steps)
+        summary = run_train(cfg, camp, max_steps=a.steps)
         wall = time.perf_counter() - t0
         if prof is not None:
             hook.remove()
@@ -148,6 +151,7 @@ def main() -> None:
         rows = [json.loads(x) for x in (camp_dir / "drafter" / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if r.get("split") == "train" and r.get("tokens_per_s")]
         steady = rows[1:] or rows
+        late = rows[len(rows) // 2:] or rows  # with graphs: most shapes captured by then
         res = {
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "target": {"tiny": "tiny", "8b": "8B-shaped (H4096, V128256), draft vocab 32000",
@@ -159,6 +163,8 @@ def main() -> None:
             "fused_loss": os.environ.get("SPECOPS_FUSED_LOSS", "auto"),
             "compile_layer": os.environ.get("SPECOPS_COMPILE_LAYER", "0"),
             "tokens_per_s": round(sum(r["tokens_per_s"] for r in steady) / len(steady), 1),
+            "tokens_per_s_second_half": round(sum(r["tokens_per_s"] for r in late) / len(late), 1),
+            "cuda_graphs": summary.get("cuda_graphs"),
             "wall_s": round(wall, 1),
             "peak_gpu_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1) if torch.cuda.is_available() else None,
         }

@@ -60,6 +60,7 @@ echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 #                  campaign's features, 60 steps each (bench/train_real_ab.py); needs the features
 #   loss-ab: SmolLM2-shaped training before session 7, with the fused lm_head + soft CE, and with the
 #            drafter layer's compiled regions too (SPECOPS_FUSED_LOSS, SPECOPS_COMPILE_LAYER)
+#   train-graphs: SmolLM2-shaped training at 8,192 tokens/step, eager vs train.cuda_graphs
 #   train-prof: a torch.profiler table of a SmolLM2-shaped training run (host and device time)
 #   eval-batched: tau evaluation, the batch-1 loop vs the batched loop (bench/eval_batched.py)
 benches=${QUALITY_BENCHES-local-engine extract train}
@@ -97,6 +98,12 @@ if [ -n "$benches" ]; then
   case " $benches " in *" loss-ab "*)  # session 7's trainer changes, one at a time (drafter/train.py, model.py)
     train_arms loss-ab 128 "SPECOPS_FUSED_LOSS=0 SPECOPS_COMPILE_LAYER=0 before" \
       "SPECOPS_FUSED_LOSS=1 SPECOPS_COMPILE_LAYER=auto fused-loss+layer" ;; esac
+  case " $benches " in *" train-graphs "*)  # session 9: the training micro-step as CUDA graphs, SmolLM2-shaped, 8,192 tokens/step
+    for arm in eager graphs; do
+      python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 256 --steps 120 --batch-tokens 8192 \
+        $( [ $arm = graphs ] && echo --cuda-graphs ) --out "$W/results/bench-train-graphs-$arm.json" \
+        > "$W/results/bench-train-graphs-$arm.log" 2>&1
+    done ;; esac
   case " $benches " in *" drafter-step "*)  # eval's drafter: eager vs static cache vs static + CUDA graph
     d=${QUALITY_DRAFTER:-$W/campaign/drafter/export/vllm}
     python3 bench/drafter_step.py $( [ -f "$d/config.json" ] && echo --drafter "$d" ) --rounds 400 \
