@@ -46,6 +46,8 @@ def cfg(**sections):
         ({**BASE, "eval": {"workers": "4"}}, "eval.workers: expected an integer, got '4'"),
         ({**BASE, "eval": {"workers": True}}, "eval.workers: expected an integer, got True"),
         ({**BASE, "eval": {"workers": 2.0}}, "eval.workers: expected an integer, got 2.0"),
+        ({**BASE, "train": {"cuda_graphs": "yes"}}, "train.cuda_graphs: expected true or false or one of 'auto', got 'yes'"),
+        ({**BASE, "train": {"graph_bucket": 0}}, "train.graph_bucket: must be > 0"),
     ],
 )
 def test_errors_name_the_key(data, needle):
@@ -100,3 +102,9 @@ def test_cli_prints_one_line_and_exits_nonzero(tmp_path):
     out = subprocess.run([sys.executable, "-m", "specops", "generate", str(p)], capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip() == "ConfigError: datasets[0].limit: expected an integer, got 'ten'"
+
+
+def test_train_cuda_graphs_is_auto_unless_set():
+    assert cfg().train.cuda_graphs == "auto"
+    assert cfg(train={"cuda_graphs": False}).train.cuda_graphs is False
+    assert cfg(train={"cuda_graphs": True, "graph_bucket": 64}).train.graph_bucket == 64

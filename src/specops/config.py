@@ -199,9 +199,9 @@ class TrainSection:
     grad_accum: int = 1
     prefetch: bool = True  # offline: read and collate the next batches on a thread (order unchanged)
     # Each micro-batch's forward + backward replayed as a CUDA graph (drafter/graphs.py): rows padded
-    # to a multiple of graph_bucket tokens, one graph per batch shape. One process only (not under
-    # DDP). On a CPU the same static step runs eagerly.
-    cuda_graphs: bool = False
+    # to a multiple of graph_bucket tokens, one graph per batch shape. "auto": on with CUDA in one
+    # process (not under DDP). true on a CPU runs the same static step eagerly (tests).
+    cuda_graphs: bool | Literal["auto"] = "auto"
     graph_bucket: int = 128
     max_grad_norm: float = 0.5
     weight_decay: float = 0.0

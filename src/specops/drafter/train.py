@@ -1059,7 +1059,8 @@ class _Trainer:
         # with the padded lengths; one process only (DDP's hooks cannot be captured here).
         self.micro: GraphedMicroStep | None = None
         self.pad_to = 1
-        if tc.cuda_graphs:
+        graphs = tc.cuda_graphs if tc.cuda_graphs != "auto" else self.cuda and dist.world == 1
+        if graphs:
             if dist.world > 1:
                 log.warning("train.cuda_graphs: not under DDP (%d processes); the eager step runs", dist.world)
             else:
