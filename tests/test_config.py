@@ -48,6 +48,8 @@ def cfg(**sections):
         ({**BASE, "eval": {"workers": 2.0}}, "eval.workers: expected an integer, got 2.0"),
         ({**BASE, "train": {"cuda_graphs": "yes"}}, "train.cuda_graphs: expected true or false or one of 'auto', got 'yes'"),
         ({**BASE, "train": {"graph_bucket": 0}}, "train.graph_bucket: must be > 0"),
+        ({**BASE, "train": {"optimizer": "sgd"}}, "train.optimizer: expected one of 'adamw', 'muon', got 'sgd'"),
+        ({**BASE, "train": {"lr_schedule": "step"}}, "train.lr_schedule: expected one of 'cosine', 'linear'"),
     ],
 )
 def test_errors_name_the_key(data, needle):

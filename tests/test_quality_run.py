@@ -45,19 +45,24 @@ def test_every_scale_gives_valid_variants(quality):
         for v in quality.sweep_variants(s):
             assert set(v) - {"name"} <= quality.SWEEP_KEYS, (name, v)
     h200 = quality.SCALES["h200"]
-    # the anchor at its own default tokens per step, the same as our main recipe
-    assert h200["anchor_total_seq_len"] == 8192 == h200["batch_tokens"]
+    # the anchor at its own default tokens per step; our main recipe is session 9's choice on val
+    assert h200["anchor_total_seq_len"] == 8192 and h200["batch_tokens"] == 4096
     assert quality.anchor_seq_len(h200) == 8192
 
 
-def test_h200_sweep_starts_with_the_cuda_graph_ab_of_the_main_recipe(quality):
-    """The first variant is the main recipe with train.cuda_graphs alone (its rate against the main
-    run's is the real-data A/B); the variant writes a config the trainer accepts."""
+def test_h200_sweep_starts_with_the_anchors_recipe_in_our_trainer(quality):
+    """The first two variants are the speculators trainer's own recipe (Muon, frozen lm_head, linear
+    schedule to 0, clip 1.0, weight decay 0.1) at our 4,096 and its 8,192 tokens per step, then each of
+    the two main differences alone; every variant writes a train section the trainer accepts."""
     from specops.config import TrainSection
 
     h200 = quality.SCALES["h200"]
-    first = quality.sweep_variants(h200)[0]
-    assert first["name"] == "lr-0.0015_cuda_graphs-True"
-    overrides = {k: v for k, v in first.items() if k not in quality._NOT_TRAIN}
-    assert overrides == {"cuda_graphs": True}
-    assert TrainSection(**overrides).cuda_graphs is True
+    got = quality.sweep_variants(h200)
+    overrides = [{k: v for k, v in x.items() if k not in quality._NOT_TRAIN} for x in got]
+    assert overrides[0] == {**quality.SPECULATORS_RECIPE, "warmup_steps": 30}
+    assert overrides[1] == {**quality.SPECULATORS_RECIPE, "batch_tokens": 8192, "warmup_steps": 12}
+    assert overrides[2:] == [{"freeze_lm_head": True}, {"optimizer": "muon"}]
+    for o in overrides:
+        t = TrainSection(**o)
+        assert t.optimizer in ("adamw", "muon") and t.cuda_graphs == "auto"
+    assert all(len(x["name"]) < 200 and "/" not in x["name"] for x in got)  # a file name each

@@ -211,6 +211,10 @@ class TrainSection:
     keep_checkpoints: int = 2
     draft_vocab_size: int | None = None  # default: build/vocab.safetensors; set = checked against it
     freeze_embeddings: bool = True
+    freeze_lm_head: bool = False  # keep lm_head at the target's rows of the draft vocab
+    # "muon": torch.optim.Muon on the layer's matrices and fc, AdamW on the rest (drafter/optim.py)
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    lr_schedule: Literal["cosine", "linear"] = "cosine"  # after warm-up, down to lr * min_lr_ratio
     norm_before_residual: bool = False
     device: str = "auto"  # auto: cuda:<LOCAL_RANK> if available else cpu
     seed: int | None = None  # default: campaign.seed

@@ -36,7 +36,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -53,6 +52,7 @@ from torch import nn
 from ..campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json
 from ..errors import ConfigError, InputError, Interrupted
 from .graphs import GraphedMicroStep
+from .optim import OptimizerSet, build_optimizer
 from .model import CompiledOrEager, DrafterConfig, Eagle3Drafter, count_parameters, default_aux_layer_ids, ttt_block
 
 log = logging.getLogger("specops.train")
@@ -815,6 +815,9 @@ def _load_checkpoint(path: Path, drafter: Eagle3Drafter, optimizer, scheduler) -
     sd = load_file(str(path / "model.safetensors"), device=str(drafter.fc.weight.device))
     drafter.load_state_dict(sd, strict=True)
     opt = torch.load(path / "optimizer.pt", map_location=drafter.fc.weight.device, weights_only=True)
+    if "optimizers" in opt["optimizer"] and not isinstance(optimizer, OptimizerSet):
+        raise ConfigError(f"{path}: the checkpoint's optimizer state holds {sorted(opt['optimizer']['optimizers'])}, "
+                          "this run has one AdamW: resume with the train.optimizer it was trained with")
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     rng = torch.load(path / "rng.pt", weights_only=True)
@@ -873,16 +876,6 @@ def _setup_dist(device_opt: str) -> Dist:
 
 
 # ---------------------------------------------------------------- the loop
-
-def _lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
-    def f(step: int) -> float:  # step = index of the optimizer step about to run
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
-
 
 def _truncate_metrics(path: Path, keep_through_step: int) -> None:
     if not path.exists():
@@ -1031,6 +1024,8 @@ class _Trainer:
         random.seed(self.seed)
         self.drafter = Eagle3Drafter(self.dcfg)
         self.drafter.init_from_target(head.embed, head.lm_head, d2t, freeze_embeddings=tc.freeze_embeddings)
+        if tc.freeze_lm_head:  # keep the target's own readout of the draft vocab (speculators does)
+            self.drafter.lm_head.weight.requires_grad_(False)
         if not torch.equal(self.drafter.t2d, vocab["t2d"].bool()):
             raise InputError("build/vocab.safetensors: t2d does not match d2t")
         self.drafter.to(self.device)
@@ -1046,14 +1041,7 @@ class _Trainer:
             self.model = DDP(self.module, device_ids=None, broadcast_buffers=False)
         else:
             self.model = self.module
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        self.params = params
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=tc.lr, betas=(0.9, 0.95), fused=self.cuda or None,
-        )
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.per_step = dist.world * tc.grad_accum  # micro-batches per optimizer step, all ranks
         # CUDA graphs: the static unroll (no host sync), rows padded to graph_bucket, batches planned
         # with the padded lengths; one process only (DDP's hooks cannot be captured here).
@@ -1078,8 +1066,7 @@ class _Trainer:
             raise InputError(f"train split gives {n0} batches of {tc.batch_tokens} tokens, fewer than "
                              f"world_size × grad_accum = {self.per_step}; lower train.batch_tokens")
         self.total_steps = tc.total_steps or tc.epochs * self.steps_per_epoch
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _lr_lambda(tc.warmup_steps, self.total_steps, tc.min_lr_ratio))
+        self.optimizer, self.scheduler = build_optimizer(self.drafter, tc, fused=self.cuda, total_steps=self.total_steps)
         self._batches: dict[int, list[list[int]]] = {}  # epoch -> its batches (this and the next epoch)
         self.val_batches = (make_batches(self.val_split.lengths, tc.batch_tokens, seed=None)
                             if self.val_split is not None else [])
