@@ -52,8 +52,9 @@ def test_every_scale_gives_valid_variants(quality):
 
 def test_h200_sweep_starts_with_the_anchors_recipe_in_our_trainer(quality):
     """The first two variants are the speculators trainer's own recipe (Muon, frozen lm_head, linear
-    schedule to 0, clip 1.0, weight decay 0.1) at our 4,096 and its 8,192 tokens per step, then each of
-    the two main differences alone; every variant writes a train section the trainer accepts."""
+    schedule to 0, clip 1.0, weight decay 0.1) at our 4,096 and its 8,192 tokens per step, then with its
+    row packing too, then the frozen head alone; every variant writes a train section the trainer
+    accepts."""
     from specops.config import TrainSection
 
     h200 = quality.SCALES["h200"]
@@ -61,7 +62,8 @@ def test_h200_sweep_starts_with_the_anchors_recipe_in_our_trainer(quality):
     overrides = [{k: v for k, v in x.items() if k not in quality._NOT_TRAIN} for x in got]
     assert overrides[0] == {**quality.SPECULATORS_RECIPE, "warmup_steps": 30}
     assert overrides[1] == {**quality.SPECULATORS_RECIPE, "batch_tokens": 8192, "warmup_steps": 12}
-    assert overrides[2:] == [{"freeze_lm_head": True}, {"optimizer": "muon"}]
+    assert overrides[2] == {**quality.SPECULATORS_RECIPE, "warmup_steps": 30, "pack_rows": 2048}
+    assert overrides[3:] == [{"freeze_lm_head": True}]
     for o in overrides:
         t = TrainSection(**o)
         assert t.optimizer in ("adamw", "muon") and t.cuda_graphs == "auto"

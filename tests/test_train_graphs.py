@@ -209,3 +209,52 @@ def test_cuda_graph_replays_equal_eager_steps():
     for a, b in zip(g1, g2):
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-3)
+
+
+# ---------------------------------------------------------------- packed rows (train.pack_rows)
+
+def test_pack_batches_place_every_sample_once_in_rows_that_fit():
+    import random
+
+    from specops.drafter.train import pack_batches
+
+    rng = random.Random(4)
+    lengths = [rng.randint(3, 200) for _ in range(1300)]
+    b0 = pack_batches(lengths, 256, 4, seed=1, epoch=0)
+    assert pack_batches(lengths, 256, 4, seed=1, epoch=0) == b0  # deterministic
+    assert pack_batches(lengths, 256, 4, seed=1, epoch=1) != b0  # reshuffled per epoch
+    assert all(len(b) == 4 for b in b0)  # one shape: the last batch is filled with empty rows
+    rows = [r for b in b0 for r in b]
+    assert sorted(i for r in rows for i in r) == list(range(1300))  # each sample exactly once
+    assert all(sum(lengths[i] for i in r) <= 256 for r in rows)
+    used = sum(lengths) / (256 * sum(1 for r in rows if r))
+    assert used > 0.9, used  # first-fit decreasing wastes little
+    # rows mix lengths (make_batches' rows are length-sorted within chunks)
+    spread = [max(lengths[i] for i in r) - min(lengths[i] for i in r) for r in rows if len(r) > 1]
+    assert sum(spread) / len(spread) > 50
+    with pytest.raises(Exception, match="train.pack_rows = 150 is shorter than"):
+        pack_batches(lengths, 150, 4, seed=1)
+
+
+def test_packed_rows_train_and_the_graph_step_matches_the_eager_one(tiny, tmp_path):
+    """train.pack_rows: batches of a fixed [rows, pack_rows] holding several documents per row; the
+    static (graph-ready) step on the CPU follows the selecting step's loss curve on the same plan;
+    the loss falls; a sample longer than pack_rows is refused before training."""
+    longest = max(int(x[0].numel()) for x in tiny["train"])
+    common = {**BASE, "epochs": 4, "batch_tokens": 128, "pack_rows": 64, "checkpoint_every": 1000,
+              "eval_every": 1000}
+    assert longest <= 64
+    eager = seed_campaign(tiny, tmp_path, {**common, "cuda_graphs": False}, name="eager")
+    static = seed_campaign(tiny, tmp_path, {**common, "cuda_graphs": True}, name="static")
+    s_e = run_train(load_config(tmp_path / "eager.toml"), eager)
+    s_s = run_train(load_config(tmp_path / "static.toml"), static)
+    a, b = metrics(eager.root), metrics(static.root)
+    assert len(a) == len(b) == s_e["total_steps"] >= 6
+    for ra, rb in zip(a, b):
+        assert ra["tokens"] == rb["tokens"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4), ra["step"]
+    assert a[-1]["loss"] < 0.8 * a[0]["loss"]
+    assert s_s["cuda_graphs"]["eager_steps"] == s_s["total_steps"]
+    short = seed_campaign(tiny, tmp_path, {**common, "pack_rows": longest - 1}, name="short")
+    with pytest.raises(Exception, match="train.pack_rows"):
+        run_train(load_config(tmp_path / "short.toml"), short)

@@ -75,11 +75,12 @@ SCALES: dict[str, dict[str, Any]] = {
         # frozen lm_head; also a linear schedule to 0 with 1 % warm-up, clip 1.0, weight decay 0.1.
         # So the main run is session 9's winner, and the variants, in order: its recipe in our
         # trainer at 4,096 and at 8,192 tokens/step (the latter: the anchor's step count, its val
-        # accuracy directly comparable), then the frozen lm_head alone, then Muon alone.
+        # accuracy directly comparable), the same at 4,096 with its row packing too (several
+        # shuffled documents per 2,048-token row, train.pack_rows), then the frozen lm_head alone.
         sweep=({**SPECULATORS_RECIPE, "warmup_steps": 30, "timeout_s": 240},
                {**SPECULATORS_RECIPE, "batch_tokens": 8192, "warmup_steps": 12, "timeout_s": 200},
-               {"freeze_lm_head": True, "timeout_s": 240},
-               {"optimizer": "muon", "timeout_s": 240}),
+               {**SPECULATORS_RECIPE, "warmup_steps": 30, "pack_rows": 2048, "timeout_s": 240},
+               {"freeze_lm_head": True, "timeout_s": 240}),
         sweep_timeout_s=240, sweep_start_by_s=780,
         # eval/checkpoint only at the end: a mid-run val pass or checkpoint would sit inside a metrics
         # window and count against our tokens/s (speculators' step times leave both out)
@@ -325,7 +326,7 @@ def sweep_variants(s: dict[str, Any]) -> list[dict[str, Any]]:
 # what a sweep variant may change: train.* keys (the same data and epochs always) and trainer switches
 SWEEP_KEYS = {"lr", "batch_tokens", "loss_decay", "warmup_steps", "min_lr_ratio", "weight_decay",
               "norm_before_residual", "max_grad_norm", "cuda_graphs", "graph_bucket", "optimizer", "freeze_lm_head",
-              "lr_schedule", "env", "timeout_s"}
+              "lr_schedule", "pack_rows", "env", "timeout_s"}
 _NOT_TRAIN = ("name", "env", "timeout_s")  # variant keys that are not train.* overrides
 
 

@@ -203,6 +203,9 @@ class TrainSection:
     # process (not under DDP). true on a CPU runs the same static step eagerly (tests).
     cuda_graphs: bool | Literal["auto"] = "auto"
     graph_bucket: int = 128
+    # Rows of several shuffled documents, pack_rows tokens each, batch_tokens // pack_rows rows per
+    # batch (first-fit; one shape for every batch). None: one document per row, length-bucketed.
+    pack_rows: int | None = None
     max_grad_norm: float = 0.5
     weight_decay: float = 0.0
     log_every: int = 10
@@ -222,7 +225,7 @@ class TrainSection:
     def __post_init__(self) -> None:
         for k in ("ttt_steps", "epochs", "batch_tokens", "grad_accum", "log_every", "eval_every",
                   "checkpoint_every", "keep_checkpoints", "total_steps", "max_seq_len", "draft_vocab_size",
-                  "graph_bucket"):
+                  "graph_bucket", "pack_rows"):
             v = getattr(self, k)
             if v is not None and v <= 0:
                 raise ConfigError(f"train.{k}: must be > 0, got {v}")

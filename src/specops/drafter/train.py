@@ -316,6 +316,43 @@ def make_batches(lengths: list[int], batch_tokens: int, *, seed: int | None, epo
     return batches
 
 
+def pack_batches(lengths: list[int], row_tokens: int, rows_per_batch: int, *, seed: int,
+                 epoch: int = 0) -> list[list[tuple[int, ...]]]:
+    """Batches of `rows_per_batch` rows, each row several documents of at most `row_tokens` tokens in
+    all (train.pack_rows): the order is shuffled, each chunk of 512 samples is packed first-fit
+    decreasing (long samples first, each into the first row with room), the rows of all chunks are
+    shuffled and cut into batches; the last batch is filled up with empty rows (padding only), so
+    every batch has one shape and no sample is dropped. A batch mixes lengths and sources, unlike
+    make_batches' length-sorted rows. Deterministic in (seed, epoch)."""
+    too_long = [n for n in lengths if n > row_tokens]
+    if too_long:
+        raise ConfigError(f"train.pack_rows = {row_tokens} is shorter than {len(too_long)} sample(s) (the longest "
+                          f"has {max(too_long)} tokens): raise it, or cut samples with train.max_seq_len")
+    rng = random.Random(f"specops-pack:{seed}:{epoch}")
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    rows: list[tuple[int, ...]] = []
+    for c in range(0, len(order), 512):
+        chunk = sorted(order[c:c + 512], key=lambda i: (-lengths[i], i))
+        open_rows: list[list[int]] = []
+        room: list[int] = []
+        for i in chunk:
+            n = lengths[i]
+            r = next((j for j, left in enumerate(room) if left >= n), None)
+            if r is None:
+                open_rows.append([i])
+                room.append(row_tokens - n)
+            else:
+                open_rows[r].append(i)
+                room[r] -= n
+        rows += [tuple(r) for r in open_rows]
+    rng.shuffle(rows)
+    batches = [rows[b:b + rows_per_batch] for b in range(0, len(rows), rows_per_batch)]
+    if batches and len(batches[-1]) < rows_per_batch:
+        batches[-1] = batches[-1] + [()] * (rows_per_batch - len(batches[-1]))
+    return batches
+
+
 @dataclass
 class Batch:
     """Rows of one or more documents, right-padded to T. Padding has doc = -1."""
@@ -342,7 +379,7 @@ def collate(rows: list[list[Sample]], *, pin: bool = False, pad_to: int = 1) -> 
     T = max(sum(s.input_ids.numel() for s in docs) for docs in rows)
     T = -(-T // pad_to) * pad_to
     B = len(rows)
-    first = rows[0][0]
+    first = next(docs[0] for docs in rows if docs)  # a row may be empty (padding only: pack_batches)
     Ht, H = first.aux.shape[-1], first.final.shape[-1]
     pin = pin and first.aux.device.type == "cpu"
     ids = torch.zeros(B, T, dtype=torch.int64, pin_memory=pin)
@@ -1059,8 +1096,13 @@ class _Trainer:
                     # autocast's cast cache must stay off while a graph is captured
                     autocast=lambda: (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
                                       if self.cuda else contextlib.nullcontext()))
+        # train.pack_rows: rows of several documents, one shape [batch_tokens / pack_rows, pack_rows]
+        if tc.pack_rows is not None:
+            if tc.pack_rows > tc.batch_tokens:
+                raise ConfigError(f"train.pack_rows = {tc.pack_rows} exceeds train.batch_tokens = {tc.batch_tokens}")
+            self.pad_to = tc.pack_rows
         self.plan_lengths = bucketed(self.train_split.lengths, self.pad_to)
-        n0 = len(make_batches(self.plan_lengths, tc.batch_tokens, seed=self.seed, epoch=0))
+        n0 = len(self.plan(0))
         self.steps_per_epoch = n0 // self.per_step
         if self.steps_per_epoch == 0:
             raise InputError(f"train split gives {n0} batches of {tc.batch_tokens} tokens, fewer than "
@@ -1075,11 +1117,25 @@ class _Trainer:
     def autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
+    def plan(self, epoch: int) -> list[list]:
+        """The epoch's micro-batches: lists of sample indices (one document per row), or with
+        train.pack_rows lists of rows, each a tuple of the indices packed into it."""
+        tc = self.tc
+        if tc.pack_rows is not None:
+            return pack_batches(self.train_split.lengths, tc.pack_rows, tc.batch_tokens // tc.pack_rows,
+                                seed=self.seed, epoch=epoch)
+        return make_batches(self.plan_lengths, tc.batch_tokens, seed=self.seed, epoch=epoch)
+
+    @staticmethod
+    def rows(batch: list) -> list[list[int]]:
+        """A planned batch as rows of sample indices (a packed row is a tuple; a plain entry is one row)."""
+        return [list(r) if isinstance(r, tuple) else [r] for r in batch]
+
+    def epoch_batches(self, epoch: int) -> list[list]:
         if epoch not in self._batches:
             for old in [e for e in self._batches if e < epoch - 1]:
                 del self._batches[old]
-            self._batches[epoch] = make_batches(self.plan_lengths, self.tc.batch_tokens, seed=self.seed, epoch=epoch)
+            self._batches[epoch] = self.plan(epoch)
         return self._batches[epoch]
 
     def upcoming(self, epoch: int, micro_in_epoch: int, steps: int) -> list[tuple[tuple[int, int], list[int]]]:
@@ -1097,15 +1153,16 @@ class _Trainer:
             micro_in_epoch += self.per_step
         return out
 
-    def load_host_batch(self, split, idxs: list[int], pad_to: int = 1) -> Batch:
+    def load_host_batch(self, split, batch: list, pad_to: int = 1) -> Batch:
         """Read + collate on the host (pinned when training on CUDA); safe on the prefetch thread."""
-        return collate([[split.get(i)] for i in idxs], pin=self.cuda, pad_to=pad_to)
+        return collate([[split.get(i) for i in row] for row in self.rows(batch)], pin=self.cuda, pad_to=pad_to)
 
-    def load_batch(self, split, idxs: list[int], pad_to: int = 1) -> Batch:
-        samples = [split.get(i) for i in idxs]
+    def load_batch(self, split, batch: list, pad_to: int = 1) -> Batch:
+        rows = [[split.get(i) for i in row] for row in self.rows(batch)]
+        samples = [x for row in rows for x in row]
         if self.features_fn is not None and samples[0].aux is None:
             _attach_features(samples, self.features_fn, self.feat_dtype)
-        return collate([[s] for s in samples], pin=self.cuda, pad_to=pad_to).to(self.device)
+        return collate(rows, pin=self.cuda, pad_to=pad_to).to(self.device)
 
     def write_metrics(self, row: dict[str, Any]) -> None:
         with open(self.metrics_path, "a") as f:
@@ -1174,8 +1231,9 @@ class _Trainer:
             step, epoch, micro_in_epoch = st["step"], st["epoch"], st["micro_batches_in_epoch"]
             tokens_seen = st.get("tokens_seen", 0)
             resumed_from = step
-            if st.get("seed") != self.seed or st.get("batch_tokens") != tc.batch_tokens:
-                log.warning("resuming %s with a different seed/batch_tokens: the data order changes from here", ck)
+            if (st.get("seed"), st.get("batch_tokens"), st.get("pack_rows")) != (self.seed, tc.batch_tokens, tc.pack_rows):
+                log.warning("resuming %s with a different seed/batch_tokens/pack_rows: the data order changes from "
+                            "here", ck)
             log.info("resumed from %s (epoch %d, micro-batch %d)", ck, epoch, micro_in_epoch)
         if rank0:
             _truncate_metrics(self.metrics_path, step)  # one loss curve: drop rows past the checkpoint
@@ -1330,7 +1388,8 @@ class _Trainer:
             state = {
                 "epoch": epoch, "micro_batches_in_epoch": micro_in_epoch, "shuffle_seed": self.seed,
                 "seed": self.seed, "world_size": self.dist.world, "grad_accum": self.tc.grad_accum,
-                "batch_tokens": self.tc.batch_tokens, "total_steps": self.total_steps, "tokens_seen": tokens_seen,
+                "batch_tokens": self.tc.batch_tokens, "pack_rows": self.tc.pack_rows, "total_steps": self.total_steps,
+                "tokens_seen": tokens_seen,
             }
             path = save_checkpoint(self.dir, step, self.drafter, self.optimizer, self.scheduler, state,
                                    self.tc.keep_checkpoints)
