@@ -1,4 +1,4 @@
-"""Benchmark `extract`: end-to-end feature extraction (forward + hooks + shard writes + sha256 +
+"""Benchmark `extract`: end-to-end feature extraction (forward + hooks + shard writes + digest +
 index) vs a bare forward with `output_hidden_states=True` over the same batches, same run.
 
 Target: a random-weight Llama built from a config on the device (8B-shaped by default: hidden 4096,
@@ -138,7 +138,7 @@ def specops_extract(target: TargetModel, work: Path, lens: list[int], budget: in
     dt = time.perf_counter() - t0
     tr = summary["splits"]["train"] if "splits" in summary else summary["train"]
     # Where the time beyond the forward goes: each shard's sidecar has its compute+write seconds and
-    # its finalize (fsync + sha256 read-back); the last shard's finalize is a tail nothing overlaps.
+    # its finalize (fsync + digest read-back); the last shard's finalize is a tail nothing overlaps.
     sides = sorted((json.loads(f.read_text()) for f in (camp_dir / "features" / "train").glob("*.done")),
                    key=lambda d: d["g"])
     out = {"tokens_per_s": sum(lens) / dt, "seconds": dt, "bytes_per_token": tr.get("bytes_per_token"),

@@ -2,7 +2,7 @@
 
 Synthetic bf16 features shaped like an 8B target (hidden 4096, 3 aux layers + final: 32,773 bytes per
 token) go through the same code a real run uses (`specops.extract._extract_shard` with a `_Pipeline`:
-writer, finalizer with fsync + sha256 + sidecar + rename) into `--dir`. Only the forward is replaced:
+writer, finalizer with fsync + digest + sidecar + rename) into `--dir`. Only the forward is replaced:
 a stand-in target hands out views of two preallocated tensors, so the figures are the write path's.
 
 Each repeat runs, back to back on the same disk:
@@ -133,9 +133,9 @@ def run_write_path(sp: extract._Split, target: StandInTarget, token_budget: int,
     wall = t_end - t0
     nbytes = sum(d["bytes"] for d in dones)
     assert len(dones) == len(sp.shards) and all((sp.out_dir / d["name"]).is_file() for d in dones)
-    if verify:  # the sidecar's sha256 is the file's (read back here, outside the timed part)
+    if verify:  # the sidecar's digest is the file's (read back here, outside the timed part)
         for d in dones:
-            assert extract.sha256_file(sp.out_dir / d["name"]) == d["sha256"], d["name"]
+            assert extract.shard_digest(sp.out_dir / d["name"]) == d["digest"], d["name"]
     shutil.rmtree(sp.out_dir)
     return {
         "bytes": nbytes,
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--pace-gbs", type=float, default=0.0,
                     help="paced run at this absolute rate in GB/s instead of a fraction of dd's")
     ap.add_argument("--staged", action="store_true", help="use the staging-slot path (the CUDA path's, on CPU)")
-    ap.add_argument("--verify", action="store_true", help="check every sidecar sha256 against a read-back")
+    ap.add_argument("--verify", action="store_true", help="check every sidecar digest against a read-back")
     ap.add_argument("--eager-writeback", choices=("auto", "async", "sync", "on", "off"), default="auto",
                     help="start each written range's writeback at once: async (a flusher thread), sync or on (the "
                          "writer itself), off (leave it to each shard's fsync); auto: extract's own choice "

@@ -22,6 +22,7 @@ from specops.campaign import Campaign
 from specops.config import config_from_dict
 from specops.errors import SpecopsError
 from specops.extract import (
+    DIGEST_KIND,
     CONVENTION,
     compute_features,
     feature_bytes_per_token,
@@ -136,6 +137,14 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def digest(path: Path, unit: int = 64 << 20) -> str:
+    """A shard's recorded digest, computed independently of extract.shard_digest: sha256 over the
+    concatenated sha256 digests of the file's consecutive `unit`-byte pieces."""
+    data = path.read_bytes()
+    pieces = [data[i:i + unit] for i in range(0, len(data), unit)] or [b""]
+    return hashlib.sha256(b"".join(hashlib.sha256(x).digest() for x in pieces)).hexdigest()
+
+
 def hf_reference(model, ids: torch.Tensor, decoder) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(HF hidden_states [L+1, T, H], HF hidden_states[-1], pre-norm final from a norm-less forward).
 
@@ -231,9 +240,10 @@ def test_llama_features_equal_hf_hidden_states_and_online(tmp_path, llama_dir):
         assert (index["hidden_size"], index["num_hidden_layers"], index["dtype"]) == (64, L, "bfloat16")
         assert index["bytes_per_token"] == 5 + 4 * 64 * 2
         assert index["n_samples"] == len(LENGTHS[split]) and index["n_tokens"] == sum(LENGTHS[split])
+        assert index["digest_kind"] == DIGEST_KIND
         for sh in index["shards"]:
-            assert sha256(d / sh["name"]) == sh["sha256"]
-            assert json.loads((d / (sh["name"] + ".done")).read_text())["sha256"] == sh["sha256"]
+            assert digest(d / sh["name"]) == sh["digest"] and sh["digest_kind"] == DIGEST_KIND
+            assert json.loads((d / (sh["name"] + ".done")).read_text())["digest"] == sh["digest"]
     assert (camp.read_manifest())["phases"]["extract"]["state"] == "done"
 
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
@@ -504,7 +514,7 @@ def shard_files(d: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "where, exc",
-    [("sha256", OSError), ("sha256", KeyboardInterrupt), ("write", OSError)],
+    [("digest", OSError), ("digest", KeyboardInterrupt), ("write", OSError)],
 )
 def test_background_failure_raises_leaves_no_half_shard_and_rerun_completes(tmp_path, llama_dir, monkeypatch, where, exc):
     import threading
@@ -518,15 +528,15 @@ def test_background_failure_raises_leaves_no_half_shard_and_rerun_completes(tmp_
     assert len(expected) >= 4
 
     victim = ".shard-00-00001.safetensors.tmp"  # the second shard's temp file
-    if where == "sha256":  # the finalizer thread's read-back (also hashes build/, so match the name)
-        real = extract.sha256_file
+    if where == "digest":  # the finalizer thread's read-back
+        real = extract.shard_digest
 
         def failing(path, *a, **k):
             if Path(path).name == victim:
                 raise exc("injected finalize failure")
             return real(path, *a, **k)
 
-        monkeypatch.setattr(extract, "sha256_file", failing)
+        monkeypatch.setattr(extract, "shard_digest", failing)
     else:  # the writer thread's pwrites of one batch
         real_rows = extract._write_rows
 
@@ -548,9 +558,9 @@ def test_background_failure_raises_leaves_no_half_shard_and_rerun_completes(tmp_
     d = camp.root / "features" / "train"
     finished = shard_files(d)
     assert "shard-00-00001.safetensors" not in finished
-    for name, digest in finished.items():  # a final name only ever with its sidecar, and complete
+    for name, h in finished.items():  # a final name only ever with its sidecar, and complete
         done = json.loads((d / (name + ".done")).read_text())
-        assert done["sha256"] == digest == expected[name] and done["bytes"] == (d / name).stat().st_size
+        assert h == expected[name] and done["digest"] == digest(d / name) and done["bytes"] == (d / name).stat().st_size
     assert not (d / "index.json").exists()
     assert camp.read_manifest()["phases"]["extract"]["state"] == "failed"
 
@@ -561,7 +571,8 @@ def test_background_failure_raises_leaves_no_half_shard_and_rerun_completes(tmp_
     assert shard_files(d) == expected  # byte-identical to an uninterrupted run
     assert {n: (d / n).stat().st_mtime_ns for n in finished} == mtimes  # finished shards never rewritten
     index = json.loads((d / "index.json").read_text())
-    assert {sh["name"]: sh["sha256"] for sh in index["shards"]} == expected and index["complete"]
+    assert {sh["name"]: sh["digest"] for sh in index["shards"]} == {n: digest(d / n) for n in expected}
+    assert index["complete"]
     assert not list(d.glob(".*.tmp"))
     assert camp.read_manifest()["phases"]["extract"]["state"] == "done"
 
@@ -584,7 +595,7 @@ def test_staging_slots_write_the_same_bytes(tmp_path, llama_dir, monkeypatch, dt
 
 
 def test_finalize_overlaps_the_next_shard(tmp_path, llama_dir, monkeypatch):
-    """Shard 0's sha256 read-back waits until shard 1's rows are being written: only a finalize off
+    """Shard 0's digest read-back waits until shard 1's rows are being written: only a finalize off
     the main thread lets that happen (a synchronous one would time out and be reported). Windows of
     one shard: shard 1's rows all come after shard 0's."""
     import threading
@@ -594,7 +605,7 @@ def test_finalize_overlaps_the_next_shard(tmp_path, llama_dir, monkeypatch):
     cfg, camp = make_campaign(tmp_path / "camp", llama_dir, batch_window=1)
     next_shard_writing = threading.Event()
     overlapped = []
-    real_sha, real_rows = extract.sha256_file, extract._write_rows
+    real_sha, real_rows = extract.shard_digest, extract._write_rows
 
     def rows(w, *a, **k):
         if w.path.name == ".shard-00-00001.safetensors.tmp":
@@ -607,11 +618,11 @@ def test_finalize_overlaps_the_next_shard(tmp_path, llama_dir, monkeypatch):
         return real_sha(path, *a, **k)
 
     monkeypatch.setattr(extract, "_write_rows", rows)
-    monkeypatch.setattr(extract, "sha256_file", sha)
+    monkeypatch.setattr(extract, "shard_digest", sha)
     summary = run_extract(cfg, camp, split="train")
     assert overlapped == [True]
     d = camp.root / "features" / "train"
     index = json.loads((d / "index.json").read_text())
     assert summary["splits"]["train"]["written"] == len(index["shards"])
     for sh in index["shards"]:
-        assert sha256(d / sh["name"]) == sh["sha256"]
+        assert digest(d / sh["name"]) == sh["digest"]

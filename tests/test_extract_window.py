@@ -43,6 +43,7 @@ from specops.extract import (
 )
 
 from test_extract import (
+    digest,
     AUX,
     build_split,
     check_against_hf,
@@ -226,7 +227,7 @@ def test_window_three_routes_every_row_to_its_shard(tmp_path, llama_dir, monkeyp
     assert len(index["shards"]) >= 5  # two windows at least
     check_window_run(camp, cfg, target, 3)
     for sh in index["shards"]:
-        assert sha256(d / sh["name"]) == sh["sha256"]
+        assert digest(d / sh["name"]) == sh["digest"]
     # ... and HF's own hidden states (fp32 forwards, bf16 storage)
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
     check_against_hf(stored_by_sample(d), build_split(camp, "train"), model, model.model, AUX, every=2)
@@ -283,7 +284,7 @@ def test_finalizers_run_side_by_side_and_a_failure_still_surfaces(tmp_path, llam
     thread joined, no half shard, and the rerun ends byte-identical."""
     monkeypatch.setattr(extract, "_usable_cpus", lambda: 16)
     cfg, camp = make_campaign(tmp_path / "camp", llama_dir, batch_window=3)
-    real_sha = extract.sha256_file
+    real_sha = extract.shard_digest
     barrier = threading.Barrier(2, timeout=20)
     met: list[bool] = []
     lock = threading.Lock()
@@ -302,7 +303,7 @@ def test_finalizers_run_side_by_side_and_a_failure_still_surfaces(tmp_path, llam
                     met.append(False)
         return real_sha(path, *a, **k)
 
-    monkeypatch.setattr(extract, "sha256_file", sha)
+    monkeypatch.setattr(extract, "shard_digest", sha)
     run_extract(cfg, camp, split="train")
     assert met == [True, True]
     expected = shard_files(camp.root / "features" / "train")
@@ -316,7 +317,7 @@ def test_finalizers_run_side_by_side_and_a_failure_still_surfaces(tmp_path, llam
             raise OSError("injected finalize failure")
         return real_sha(path, *a, **k)
 
-    monkeypatch.setattr(extract, "sha256_file", failing)
+    monkeypatch.setattr(extract, "shard_digest", failing)
     with pytest.raises(OSError, match="injected"):
         run_extract(cfg2, camp2, split="train")
     assert not [t for t in threading.enumerate() if t.name.startswith(("shard-writer", "shard-finalize"))]
@@ -326,7 +327,7 @@ def test_finalizers_run_side_by_side_and_a_failure_still_surfaces(tmp_path, llam
     for name, digest in finished.items():
         assert digest == expected[name]
     assert camp2.read_manifest()["phases"]["extract"]["state"] == "failed"
-    monkeypatch.setattr(extract, "sha256_file", real_sha)
+    monkeypatch.setattr(extract, "shard_digest", real_sha)
     mtimes = {n: (d / n).stat().st_mtime_ns for n in finished}
     run_extract(cfg2, camp2, split="train")
     assert shard_files(d) == expected

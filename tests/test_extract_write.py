@@ -9,6 +9,7 @@ import ctypes
 import errno
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from specops import extract
 from specops.extract import run_extract
 
-from test_extract import make_campaign, make_llama, sha256, shard_files
+from test_extract import digest, make_campaign, make_llama, shard_files
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,8 +76,8 @@ def test_eager_writeback_covers_every_row_and_keeps_the_bytes(tmp_path, llama_di
     for split in ("train", "val"):
         a, b = (c.root / "features" / split for c in (plain, eager))
         assert shard_files(a) == shard_files(b) and shard_files(a)
-        for name, done in sidecars(b).items():  # the recorded hash is the whole file's
-            assert done["sha256"] == sha256(b / name) == sidecars(a)[name]["sha256"]
+        for name, done in sidecars(b).items():  # the recorded digest is the whole file's
+            assert done["digest"] == digest(b / name) == sidecars(a)[name]["digest"]
 
     # Only the non-waiting flag, and every range written was handed over: the ranges asked for add up
     # to every tensor's bytes in every shard (each byte is written exactly once).
@@ -231,3 +232,22 @@ def test_write_path_benchmark_runs_and_reports(tmp_path, repo):
     assert rep["raw"]["bytes"] == rep["dd"]["bytes"] == r["file_bytes"]
     assert r["median_write_path_gb_s"] > 0 and r["median_ratio_to_dd"] > 0 and 0 < r["median_paced_ratio_to_forward"]
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # its scratch directory is removed
+
+
+def test_shard_digest_is_the_sha256_of_its_pieces_digests(tmp_path, monkeypatch):
+    """extract.shard_digest equals the independent definition (test_extract.digest) for pieces that
+    divide the file, that do not, one piece for all, reads smaller than a piece, and an empty file."""
+    import hashlib
+
+    from specops import extract
+
+    f = tmp_path / "x"
+    f.write_bytes(os.urandom(10_007))
+    for unit in (1000, 4096, 10_007, 1 << 20):
+        assert extract.shard_digest(f, unit=unit) == digest(f, unit=unit), unit
+    monkeypatch.setattr(extract, "_READ_CHUNK", 300)  # several reads per piece
+    assert extract.shard_digest(f, unit=1000) == digest(f, unit=1000)
+    assert extract.shard_digest(f, unit=1000) != hashlib.sha256(f.read_bytes()).hexdigest()
+    e = tmp_path / "e"
+    e.write_bytes(b"")
+    assert extract.shard_digest(e) == hashlib.sha256(hashlib.sha256(b"").digest()).hexdigest() == digest(e)
