@@ -567,14 +567,22 @@ def make_extract_campaign(root: Path, model_dir: Path, n_samples: int = 60, seed
     return camp, lengths
 
 
-def sha256_of(path: Path) -> str:
+def digest_of(path: Path, unit: int = 64 << 20) -> str:
+    """A shard's recorded digest, computed here independently: sha256 over the concatenated sha256
+    digests of the file's consecutive 64 MiB pieces (extract.DIGEST_KIND)."""
     import hashlib
 
-    h = hashlib.sha256()
+    parts = []
     with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+        while True:
+            h = hashlib.sha256()
+            piece = f.read(unit)
+            h.update(piece)
+            if piece or not parts:
+                parts.append(h.digest())
+            if len(piece) < unit:
+                break
+    return hashlib.sha256(b"".join(parts)).hexdigest()
 
 
 def shard_state(split_dir: Path) -> dict[str, Any]:
@@ -588,9 +596,9 @@ def shard_state(split_dir: Path) -> dict[str, Any]:
         except (FileNotFoundError, ValueError):
             orphans.append(p.name)
             continue
-        if done.get("bytes") != p.stat().st_size or done.get("sha256") != sha256_of(p):
+        if done.get("bytes") != p.stat().st_size or done.get("digest") != digest_of(p):
             orphans.append(p.name)
             continue
-        finished[p.name] = (done["sha256"], p.stat().st_mtime_ns)
+        finished[p.name] = (done["digest"], p.stat().st_mtime_ns)
     temps = sorted(q.name for q in split_dir.glob(".*")) if split_dir.is_dir() else []
     return {"finished": finished, "orphans": orphans, "temps": temps}
