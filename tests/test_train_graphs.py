@@ -129,21 +129,28 @@ def test_bucketed_plans_fit_the_padded_budget():
         assert len(b) * max(bucketed(lengths, 64)[i] for i in b) <= 800 or len(b) == 1
 
 
+def _eager_and_static_runs(tiny, tmp_path, common: dict, static_extra: dict, min_steps: int):
+    """Train the same campaign with the selecting step (cuda_graphs off) and the static one (on; on
+    the CPU it runs eagerly); both curves must match step by step. Returns both summaries."""
+    eager = seed_campaign(tiny, tmp_path, {**common, "cuda_graphs": False}, name="eager")
+    static = seed_campaign(tiny, tmp_path, {**common, "cuda_graphs": True, **static_extra}, name="static")
+    s_e = run_train(load_config(tmp_path / "eager.toml"), eager)
+    s_s = run_train(load_config(tmp_path / "static.toml"), static)
+    a, b = metrics(eager.root), metrics(static.root)
+    assert len(a) == len(b) == s_e["total_steps"] >= min_steps
+    for ra, rb in zip(a, b):
+        assert ra["tokens"] == rb["tokens"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4), ra["step"]
+    return s_e, s_s
+
+
 def test_cuda_graphs_mode_on_the_cpu_trains_like_the_eager_step(tiny, tmp_path):
     """train.cuda_graphs on the CPU runs the static step eagerly (no capture): with graph_bucket 1
     (the same batch plan) the loss curve and final weights match the default step's; with a real
     bucket it trains (loss falls) on rows padded to the bucket, and the manifest tells how it ran."""
     common = {**BASE, "epochs": 4, "batch_tokens": 96, "checkpoint_every": 1000, "eval_every": 1000}
-    eager = seed_campaign(tiny, tmp_path, common, name="eager")
-    static = seed_campaign(tiny, tmp_path, {**common, "cuda_graphs": True, "graph_bucket": 1}, name="static")
     bucket = seed_campaign(tiny, tmp_path, {**common, "cuda_graphs": True, "graph_bucket": 16}, name="bucket")
-    s_e = run_train(load_config(tmp_path / "eager.toml"), eager)
-    s_s = run_train(load_config(tmp_path / "static.toml"), static)
-    a, b = metrics(eager.root), metrics(static.root)
-    assert len(a) == len(b) == s_e["total_steps"] >= 8
-    for ra, rb in zip(a, b):
-        assert ra["tokens"] == rb["tokens"]
-        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4), ra["step"]
+    s_e, s_s = _eager_and_static_runs(tiny, tmp_path, common, {"graph_bucket": 1}, 8)
     wa = load_file(str(Path(s_e["checkpoint"]) / "model.safetensors"))
     wb = load_file(str(Path(s_s["checkpoint"]) / "model.safetensors"))
     for k in wa:
@@ -244,15 +251,8 @@ def test_packed_rows_train_and_the_graph_step_matches_the_eager_one(tiny, tmp_pa
     common = {**BASE, "epochs": 4, "batch_tokens": 128, "pack_rows": 64, "checkpoint_every": 1000,
               "eval_every": 1000}
     assert longest <= 64
-    eager = seed_campaign(tiny, tmp_path, {**common, "cuda_graphs": False}, name="eager")
-    static = seed_campaign(tiny, tmp_path, {**common, "cuda_graphs": True}, name="static")
-    s_e = run_train(load_config(tmp_path / "eager.toml"), eager)
-    s_s = run_train(load_config(tmp_path / "static.toml"), static)
-    a, b = metrics(eager.root), metrics(static.root)
-    assert len(a) == len(b) == s_e["total_steps"] >= 6
-    for ra, rb in zip(a, b):
-        assert ra["tokens"] == rb["tokens"]
-        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4), ra["step"]
+    s_e, s_s = _eager_and_static_runs(tiny, tmp_path, common, {}, 6)
+    a = metrics(tmp_path / "eager")
     assert a[-1]["loss"] < 0.8 * a[0]["loss"]
     assert s_s["cuda_graphs"]["eager_steps"] == s_s["total_steps"]
     short = seed_campaign(tiny, tmp_path, {**common, "pack_rows": longest - 1}, name="short")

@@ -26,6 +26,7 @@ run with a warning; the eager form of the same step computes from there (the sam
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import torch
@@ -108,8 +109,6 @@ class GraphedMicroStep:
         return out._replace(loss=out.loss.detach())
 
     def _capture(self, k: tuple, host_batch: Any) -> _Captured | None:
-        import time
-
         t0 = time.perf_counter()
         static = host_batch.to(self.device)
         ptrs = [p.grad.data_ptr() for p in self.params]
@@ -125,6 +124,11 @@ class GraphedMicroStep:
                 raise RuntimeError(f"{len(moved)} .grad tensors were replaced during capture (expected in-place "
                                    "accumulation)")
         except Exception as e:  # noqa: BLE001 - any failure: the eager step is the same math
+            # nothing captured ran, but a replaced .grad points into the graph's pool: give those
+            # parameters fresh zeros (with grad_accum > 1 they lose this step's earlier micro-batches)
+            for p, a in zip(self.params, ptrs):
+                if p.grad is None or p.grad.data_ptr() != a:
+                    p.grad = torch.zeros_like(p)
             self.disabled = f"{type(e).__name__}: {str(e)[:300]}"
             log.warning("train: CUDA graphs off for this run (capture of shape %s failed: %s); eager steps from here",
                         {n: s for n, s, _ in k}, self.disabled)
