@@ -176,46 +176,79 @@ def _graph_inputs(device, seed=0, lens=((9, 13, 6), (12, 4, 15, 2), (7, 8, 3), (
     return out
 
 
+def _gpu_run(use_graphs: bool, batches: list, sync_in_capture: bool = False):
+    """The micro-batches through a fresh GraphedMicroStep on CUDA (two micro-batches per optimizer
+    step: .grad zeroed in place every second one): (outputs, gradients per step, summary). With
+    sync_in_capture the forward makes a host sync whenever it is being captured, which a capture
+    cannot hold."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(DrafterConfig.debug()).to(dev)
+    head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
+    teacher = Teacher(head, drafter.d2t, final_prenorm=True, device=dev, dtype=torch.bfloat16)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+
+    def fn(b):
+        out = ttt_forward_static(drafter, teacher, b, steps=4, decay=0.8)
+        if sync_in_capture and torch.cuda.is_current_stream_capturing():
+            out.count.sum().item()
+        return out
+
+    micro = GraphedMicroStep(fn, params, dev, loss_scale=0.5, use_graphs=use_graphs,
+                             autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False))
+    ptrs = [p.grad.data_ptr() for p in params]
+    outs, grads = [], []
+    for i, hb in enumerate(batches):
+        if i % 2 == 0:
+            for p in params:
+                p.grad.zero_()
+        o = micro.step(hb)
+        outs.append([t.clone() for t in (o.loss, o.ce_sum, o.correct, o.count)])
+        if i % 2 == 1:
+            grads.append([p.grad.clone() for p in params])
+    torch.cuda.synchronize()
+    if not sync_in_capture:
+        assert [p.grad.data_ptr() for p in params] == ptrs
+    return outs, grads, micro.summary()
+
+
+def _assert_same_steps(r1, r2) -> None:
+    for a, b in zip(r1[0], r2[0]):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=2e-3, atol=2e-3)
+    for a, b in zip(r1[1], r2[1]):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replays_equal_eager_steps():
     """On CUDA (bf16 autocast): the same sequence of micro-batches through GraphedMicroStep with graphs
     (eager warm-up, capture, replays) and without gives the same outputs and accumulated gradients;
     shapes were captured and replayed, and the .grad tensors stayed where they were."""
-    dev = torch.device("cuda")
-    batches = _graph_inputs(dev) * 3  # every shape seen three times: warm-up, capture + replay, replay
-    results = []
-    for use in (True, False):
-        torch.manual_seed(0)
-        drafter = Eagle3Drafter(DrafterConfig.debug()).to(dev)
-        head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
-        teacher = Teacher(head, drafter.d2t, final_prenorm=True, device=dev, dtype=torch.bfloat16)
-        params = [p for p in drafter.parameters() if p.requires_grad]
-        micro = GraphedMicroStep(lambda b: ttt_forward_static(drafter, teacher, b, steps=4, decay=0.8), params, dev,
-                                 autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False),
-                                 loss_scale=0.5, use_graphs=use)
-        ptrs = [p.grad.data_ptr() for p in params]
-        outs, grads = [], []
-        for i, hb in enumerate(batches):
-            if i % 2 == 0:
-                for p in params:
-                    p.grad.zero_()
-            o = micro.step(hb)
-            outs.append([t.clone() for t in (o.loss, o.ce_sum, o.correct, o.count)])
-            if i % 2 == 1:
-                grads.append([p.grad.clone() for p in params])
-        torch.cuda.synchronize()
-        assert [p.grad.data_ptr() for p in params] == ptrs
-        results.append((outs, grads, micro.summary()))
-    (o1, g1, s1), (o2, g2, s2) = results
+    batches = _graph_inputs(torch.device("cuda")) * 3  # each shape: warm-up, capture + replay, replay
+    graphs, eager = _gpu_run(True, batches), _gpu_run(False, batches)
+    s1, s2 = graphs[2], eager[2]
     assert s1["on"] and s1["captured"] == 3 and s1["replays"] == 12 - 3 and s1["eager_steps"] == 3, s1
     assert s2["eager_steps"] == 12 and s2["captured"] == 0
-    for a, b in zip(o1, o2):
-        for x, y in zip(a, b):
-            torch.testing.assert_close(x, y, rtol=2e-3, atol=2e-3)
-    for a, b in zip(g1, g2):
-        for x, y in zip(a, b):
-            torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-3)
+    _assert_same_steps(graphs, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_failed_capture_turns_graphs_off_and_the_steps_stay_right(caplog):
+    """A forward that cannot be captured (a host sync while capturing): the capture fails once, graphs
+    go off for the run with a warning naming why, and every step, the one whose capture failed
+    included, equals the eager run's."""
+    batches = _graph_inputs(torch.device("cuda")) * 2
+    with caplog.at_level("WARNING", logger="specops.train"):
+        failed = _gpu_run(True, batches, sync_in_capture=True)
+    s = failed[2]
+    assert s["requested"] and not s["on"] and s["disabled"] and s["captured"] == 0 and s["replays"] == 0, s
+    assert s["eager_steps"] == len(batches)
+    assert "CUDA graphs off for this run" in caplog.text
+    _assert_same_steps(failed, _gpu_run(False, batches))
 
 
 # ---------------------------------------------------------------- packed rows (train.pack_rows)
