@@ -112,6 +112,7 @@ class GraphedMicroStep:
         t0 = time.perf_counter()
         static = host_batch.to(self.device)
         ptrs = [p.grad.data_ptr() for p in self.params]
+        stream = torch.cuda.current_stream(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: the prefetch thread keeps allocating pinned host memory meanwhile
@@ -124,6 +125,9 @@ class GraphedMicroStep:
                 raise RuntimeError(f"{len(moved)} .grad tensors were replaced during capture (expected in-place "
                                    "accumulation)")
         except Exception as e:  # noqa: BLE001 - any failure: the eager step is the same math
+            # a capture_end that raised leaves the capture stream current for this thread: restore ours
+            torch.cuda.set_stream(stream)
+            torch.cuda.synchronize(self.device)
             # nothing captured ran, but a replaced .grad points into the graph's pool: give those
             # parameters fresh zeros (with grad_accum > 1 they lose this step's earlier micro-batches)
             for p, a in zip(self.params, ptrs):
