@@ -126,8 +126,11 @@ class GraphedMicroStep:
                                    "accumulation)")
         except Exception as e:  # noqa: BLE001 - any failure: the eager step is the same math
             # a capture_end that raised leaves the capture stream current for this thread: restore ours
-            torch.cuda.set_stream(stream)
-            torch.cuda.synchronize(self.device)
+            try:
+                torch.cuda.set_stream(stream)
+                torch.cuda.synchronize(self.device)
+            except Exception as e2:  # noqa: BLE001 - the eager steps that follow will say if CUDA is unusable
+                log.warning("train: restoring the stream after a failed capture: %s", e2)
             # nothing captured ran, but a replaced .grad points into the graph's pool: give those
             # parameters fresh zeros (with grad_accum > 1 they lose this step's earlier micro-batches)
             for p, a in zip(self.params, ptrs):
