@@ -81,7 +81,7 @@ SCALES: dict[str, dict[str, Any]] = {
                {**SPECULATORS_RECIPE, "batch_tokens": 8192, "warmup_steps": 12, "timeout_s": 200},
                {**SPECULATORS_RECIPE, "warmup_steps": 30, "pack_rows": 2048, "timeout_s": 240},
                {"freeze_lm_head": True, "timeout_s": 240}),
-        sweep_timeout_s=240, sweep_start_by_s=780,
+        sweep_timeout_s=240, sweep_start_by_s=840,  # 780 before the 256-row evals (~90 s shorter)
         # eval/checkpoint only at the end: a mid-run val pass or checkpoint would sit inside a metrics
         # window and count against our tokens/s (speculators' step times leave both out)
         log_every=20, eval_every=100000, checkpoint_every=100000, anchor_lr=1e-3, anchor_timeout_s=480,
@@ -93,7 +93,10 @@ SCALES: dict[str, dict[str, Any]] = {
         # The full sets (MT-bench 80 x 2 turns, HumanEval 80, GSM8K 80, Spec-Bench 480; T=1 MT-bench 80):
         # tau through the batched loop (eval.batch_size rows, evaluate/batched.py). 8 batch-1 workers
         # sharing the GPU took ~1 s per turn (session 5), too slow for ~1,900 turns in a lease.
-        eval_limit=80, spec_bench_limit=480, eval_batch=128,
+        # 256 rows (sessions 6-9: 128): a batched step is bound by its ~1,700 kernel launches, not
+        # its rows (session 7's profile: 209 ms per step of 128 rows, 16 ms of it on the device), so
+        # twice the rows should take about half the steps on the 560 Spec-Bench and 320 other turns
+        eval_limit=80, spec_bench_limit=480, eval_batch=256,
         eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=80,
         timing_runners=("static",),
     ),
