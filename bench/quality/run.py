@@ -45,6 +45,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 
+from specops.campaign import read_json  # noqa: E402
 from specops.config import EvalSection, dump_toml, load_config  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -376,12 +377,8 @@ def _sweep_run(camp: Path, variant: dict[str, Any]) -> dict[str, Any]:
             "wall_s": (t(ph["export"]["done_at"]) - t(ph["train"]["running_at"])).total_seconds(),
             "export": str(export / "vllm"), "exports": sorted(p.name for p in export.iterdir() if p.is_dir()),
             # train.cuda_graphs: shapes captured, replays, eager steps, capture seconds, why off if it went off
-            "cuda_graphs": (((read_json_or(camp / "drafter" / "manifest.json").get("train") or {}).get("summary") or {})
+            "cuda_graphs": (((read_json(camp / "drafter" / "manifest.json", {}).get("train") or {}).get("summary") or {})
                             .get("cuda_graphs"))}
-
-
-def read_json_or(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_drafter: Path | None = None) -> None:

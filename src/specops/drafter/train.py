@@ -1093,9 +1093,7 @@ class _Trainer:
                 self.micro = GraphedMicroStep(
                     lambda b: ttt_forward_static(self.drafter, self.teacher, b, steps=tc.ttt_steps, decay=tc.loss_decay),
                     self.params, self.device, loss_scale=1.0 / tc.grad_accum, use_graphs=self.cuda,
-                    # autocast's cast cache must stay off while a graph is captured
-                    autocast=lambda: (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
-                                      if self.cuda else contextlib.nullcontext()))
+                    autocast=lambda: self.autocast(cache=False))  # no cast cache while a graph is captured
         # train.pack_rows: rows of several documents, one shape [batch_tokens / pack_rows, pack_rows]
         if tc.pack_rows is not None:
             if tc.pack_rows > tc.batch_tokens:
@@ -1114,8 +1112,9 @@ class _Trainer:
                             if self.val_split is not None else [])
 
     # -------------------------------------------------------------- helpers
-    def autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else contextlib.nullcontext()
+    def autocast(self, cache: bool = True):
+        return (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache) if self.cuda
+                else contextlib.nullcontext())
 
     def plan(self, epoch: int) -> list[list]:
         """The epoch's micro-batches: lists of sample indices (one document per row), or with
