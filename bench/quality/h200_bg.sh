@@ -76,6 +76,8 @@ if [ -n "$benches" ]; then
       > "$W/results/bench-train-real-ab.log" 2>&1
     cp "$W"/train-ab/*.log "$W/results/" 2>/dev/null ;; esac
   [ -f "$W/results/anchor.json" ] && rm -rf "$W/anchor/data" "$W/campaign/features"
+  # QUALITY_DROP_FEATURES=1: a lease without the anchor (e.g. QUALITY_PHASE="ours lr-sweep") frees the disk too
+  [ -n "${QUALITY_DROP_FEATURES:-}" ] && rm -rf "$W/campaign/features"
   case " $benches " in *" local-engine "*)
     hf=$(dirname "$(ls /root/cache/models/*/config.json | head -1)")
     python3 bench/local_engine_gpu.py --tokenizer "$hf" --model "$hf" --batch 256 --hf-batch 64 \
