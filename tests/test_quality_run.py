@@ -40,31 +40,58 @@ def test_sweep_variants_drop_the_main_recipe_and_repeats(quality):
 
 
 def test_every_scale_gives_valid_variants(quality):
+    from specops.config import TrainSection
+
     for name, scale in quality.SCALES.items():
         s = {"lr_sweep": (), "sweep": (), **scale}
+        TrainSection(**quality.main_train(s))  # the main run's overrides are valid train.* keys
         for v in quality.sweep_variants(s):
             assert set(v) - {"name"} <= quality.SWEEP_KEYS, (name, v)
+            assert isinstance(v["lr"], float), (name, v)  # the winner's lr is reported, whoever wins
     h200 = quality.SCALES["h200"]
-    # the anchor at its own default tokens per step; our main recipe is session 9's choice on val
+    # the anchor at its own default tokens per step; our main recipe at 4,096 (session 9's choice on val)
     assert h200["anchor_total_seq_len"] == 8192 and h200["batch_tokens"] == 4096
     assert quality.anchor_seq_len(h200) == 8192
 
 
-def test_h200_sweep_starts_with_the_anchors_recipe_in_our_trainer(quality):
-    """The first two variants are the speculators trainer's own recipe (Muon, frozen lm_head, linear
-    schedule to 0, clip 1.0, weight decay 0.1) at our 4,096 and its 8,192 tokens per step, then with its
-    row packing too, then the frozen head alone; every variant writes a train section the trainer
-    accepts."""
+def test_a_variant_without_its_own_lr_carries_the_main_one(quality):
+    """Session 10's lease: the winning variant set no lr and the sweep stopped on KeyError 'lr'."""
+    got = quality.sweep_variants({"lr": 1e-3, "sweep": ({"freeze_lm_head": True},)})
+    assert got == [{"lr": 1e-3, "freeze_lm_head": True, "name": "lr-0.001_freeze_lm_head-True"}]
+
+
+def test_variant_entries_equal_to_the_main_run_change_nothing(quality):
+    s = {"lr": 1e-3, "batch_tokens": 4096, "warmup": 30, "train": {"optimizer": "muon", "freeze_lm_head": True},
+         "sweep": ({"optimizer": "muon"}, {"freeze_lm_head": True, "batch_tokens": 2048},
+                   {"optimizer": "adamw", "warmup_steps": 30}, {"batch_tokens": 4096, "timeout_s": 100})}
+    got = quality.sweep_variants(s)
+    # the first and last repeat the main run; the others keep only what differs from it
+    assert [v["name"] for v in got] == ["lr-0.001_batch_tokens-2048", "lr-0.001_optimizer-adamw"]
+    with pytest.raises(SystemExit, match="not allowed"):
+        quality.main_train({"train": {"lr": 2e-3}})  # the main lr has its own scale entry
+    with pytest.raises(SystemExit, match="not allowed"):
+        quality.main_train({"train": {"epochs": 3}})
+
+
+def test_h200_main_run_is_the_anchors_recipe_and_the_variants_probe_it(quality):
+    """Session 10: speculators' recipe (Muon, frozen lm_head, linear schedule to 0, clip 1.0, weight
+    decay 0.1) in our trainer beat our earlier recipe on val (simulated tau 4.07 vs 2.60), so it is the
+    main run; the variants try twice the steps, twice the lr, each half of the recipe alone (the
+    frozen head with AdamW + cosine, Muon with a trained head), the anchor's 8,192 tokens/step and
+    its row packing. Every variant writes a train section the trainer accepts."""
     from specops.config import TrainSection
 
-    h200 = quality.SCALES["h200"]
+    h200 = {"train": {}, **quality.SCALES["h200"]}
+    assert quality.main_train(h200) == quality.SPECULATORS_RECIPE
+    main = {"lr": h200["lr"], "warmup_steps": h200["warmup"], "batch_tokens": h200["batch_tokens"],
+            **quality.SPECULATORS_RECIPE}
     got = quality.sweep_variants(h200)
-    overrides = [{k: v for k, v in x.items() if k not in quality._NOT_TRAIN} for x in got]
-    assert overrides[0] == {**quality.SPECULATORS_RECIPE, "warmup_steps": 30}
-    assert overrides[1] == {**quality.SPECULATORS_RECIPE, "batch_tokens": 8192, "warmup_steps": 12}
-    assert overrides[2] == {**quality.SPECULATORS_RECIPE, "warmup_steps": 30, "pack_rows": 2048}
-    assert overrides[3:] == [{"freeze_lm_head": True}]
-    for o in overrides:
-        t = TrainSection(**o)
-        assert t.optimizer in ("adamw", "muon") and t.cuda_graphs == "auto"
+    trains = [{**main, **{k: v for k, v in x.items() if k not in quality._NOT_TRAIN}} for x in got]
+    assert [t["batch_tokens"] for t in trains] == [2048, 4096, 4096, 4096, 8192, 4096]
+    assert [t["lr"] for t in trains] == [1e-3, 2e-3, 1e-3, 1e-3, 1e-3, 1e-3]
+    assert (trains[2]["optimizer"], trains[2]["freeze_lm_head"], trains[2]["lr_schedule"]) == ("adamw", True, "cosine")
+    assert (trains[3]["optimizer"], trains[3]["freeze_lm_head"]) == ("muon", False)
+    assert trains[5]["pack_rows"] == 2048
+    for t in trains:
+        assert TrainSection(**t).cuda_graphs == "auto"
     assert all(len(x["name"]) < 200 and "/" not in x["name"] for x in got)  # a file name each

@@ -65,30 +65,38 @@ SCALES: dict[str, dict[str, Any]] = {
         # 30-minute lease (experiment 20 min) with lr 5e-4 and lr_sweep (1e-3,), and val chose 1e-3
         # (simulated tau 1.962 vs 1.745); session 8 swept lr and tokens per step (below).
         sharegpt=7800, bfcl=None, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
-        max_model_len=2048, draft_vocab=32000, epochs=2, lr=1e-3, warmup=50, batch_tokens=4096,
+        max_model_len=2048, draft_vocab=32000, epochs=2,
         # our recipe: chosen on the val split among the main run and these variants (phase_lr_sweep:
         # same build, features, epochs and seed; each alone on the device, capped in time).
         # Session 8: lr 1.5e-3 at 8,192 tokens/step won (2.257). Session 9 (train.cuda_graphs now on
-        # by default on CUDA, 1.20x): lr 1e-3 at 4,096 tokens/step with graphs won (2.631; main
-        # 2.288), but its measured tau was 0.959x speculators', which at its own 8,192 tokens/step
-        # reached val step-0 accuracy 0.752 against our 0.61-0.68. Reading its trainer (docs/
-        # results.md, session 9) left two real differences: Muon on the layer's matrices, and a
-        # frozen lm_head; also a linear schedule to 0 with 1 % warm-up, clip 1.0, weight decay 0.1.
-        # So the main run is session 9's winner, and the variants, in order: its recipe in our
-        # trainer at 4,096 and at 8,192 tokens/step (the latter: the anchor's step count, its val
-        # accuracy directly comparable), the same at 4,096 with its row packing too (several
-        # shuffled documents per 2,048-token row, train.pack_rows), then the frozen lm_head alone.
-        sweep=({**SPECULATORS_RECIPE, "warmup_steps": 30, "timeout_s": 240},
-               {**SPECULATORS_RECIPE, "batch_tokens": 8192, "warmup_steps": 12, "timeout_s": 200},
-               {**SPECULATORS_RECIPE, "warmup_steps": 30, "pack_rows": 2048, "timeout_s": 240},
-               {"freeze_lm_head": True, "timeout_s": 240}),
-        sweep_timeout_s=240, sweep_start_by_s=840,  # 780 before the 256-row evals (~90 s shorter)
+        # by default on CUDA, 1.20x): lr 1e-3 at 4,096 tokens/step with graphs won (2.631), but its
+        # measured tau was 0.959x speculators'. Reading speculators' trainer (docs/results.md,
+        # session 9) left Muon on the layer's matrices and a frozen lm_head as the real differences
+        # (also a linear schedule to 0, clip 1.0, weight decay 0.1). Session 10, the same records and
+        # 4,096 tokens/step: that recipe in our trainer reached val simulated tau 4.072 against 2.604
+        # (acc at step 0: 0.827 vs 0.672; val loss 6.19 vs 10.25). So it is the main recipe now
+        # (`train` below, warm-up 30 as ~1 % of 2,918 steps), and the variants, in order: twice the
+        # steps (2,048 tokens/step), twice the lr, then which half of the recipe carries it (the
+        # frozen head with our AdamW + cosine; Muon with a trained head), then the anchor's own step
+        # count (8,192, its val accuracy directly comparable), then its row packing.
+        lr=1e-3, warmup=30, batch_tokens=4096, train=SPECULATORS_RECIPE,
+        sweep=({"batch_tokens": 2048, "warmup_steps": 60, "timeout_s": 280},
+               {"lr": 2e-3},
+               {"optimizer": "adamw", "lr_schedule": "cosine", "min_lr_ratio": 0.1, "max_grad_norm": 0.5,
+                "weight_decay": 0.0, "warmup_steps": 50},
+               {"freeze_lm_head": False},
+               {"batch_tokens": 8192, "warmup_steps": 12, "timeout_s": 200},
+               {"pack_rows": 2048}),
+        # no generation in a lease that carries the records (.cache/q10/records.tar.xz, --records):
+        # the main run is trained ~4 minutes in, each variant takes ~2, and the anchor + both
+        # evaluations need ~10 after the sweep
+        sweep_timeout_s=240, sweep_start_by_s=900,
         # eval/checkpoint only at the end: a mid-run val pass or checkpoint would sit inside a metrics
         # window and count against our tokens/s (speculators' step times leave both out)
         log_every=20, eval_every=100000, checkpoint_every=100000, anchor_lr=1e-3, anchor_timeout_s=480,
-        # speculators' own default tokens per step (--total-seq-len 8192), which our main recipe now
-        # uses too; sessions 5-8 gave it 16,384 (our batch then), so session 8's ours at 8,192 had
-        # twice its optimizer steps on the same data and epochs
+        # speculators' own default tokens per step (--total-seq-len 8192; our main run takes 4,096);
+        # sessions 5-8 gave it 16,384 (our batch then), so session 8's ours at 8,192 had twice its
+        # optimizer steps on the same data and epochs
         anchor_total_seq_len=8192,
         anchor_checkpoint_freq=0.5, anchor_warm=True,
         # The full sets (MT-bench 80 x 2 turns, HumanEval 80, GSM8K 80, Spec-Bench 480; T=1 MT-bench 80):
@@ -239,7 +247,7 @@ def base_config(work: Path, data: Path, model: str, s: dict[str, Any]) -> dict[s
         "extract": {"dtype": "bfloat16", "mode": "offline"},
         "train": {"ttt_steps": K, "epochs": s["epochs"], "lr": s["lr"], "warmup_steps": s["warmup"],
                   "batch_tokens": s["batch_tokens"], "log_every": s["log_every"], "eval_every": s["eval_every"],
-                  "checkpoint_every": s["checkpoint_every"]},
+                  "checkpoint_every": s["checkpoint_every"], **main_train(s)},
         "eval": {"datasets": eval_entries(data)[:1], "limit_per_dataset": 1, "k": K},
     }
 
@@ -308,22 +316,37 @@ def ours_export(work: Path, ours_drafter: Path | None = None) -> Path:
     return winner if winner.is_dir() else work / "campaign" / "drafter" / "export" / "vllm"
 
 
+def main_train(s: dict[str, Any]) -> dict[str, Any]:
+    """The main run's train.* overrides beyond lr / warm-up / tokens per step (the scale's `train`
+    entry; the sweep's variants apply on top of them), checked against the keys a variant may set."""
+    t = dict(s.get("train") or {})
+    bad = [k for k in t if k not in SWEEP_KEYS or k in _NOT_TRAIN or k in ("lr", "warmup_steps", "batch_tokens")]
+    if bad:
+        raise SystemExit(f"scale train: key(s) {bad} not allowed (lr, warmup and batch_tokens have their own "
+                         f"scale entries; allowed: {sorted(SWEEP_KEYS - {'lr', 'warmup_steps', 'batch_tokens', *_NOT_TRAIN})})")
+    return t
+
+
 def sweep_variants(s: dict[str, Any]) -> list[dict[str, Any]]:
     """The scale's recipe variants besides the main run: `sweep` entries (dicts of train.* overrides,
     plus an optional "env" of trainer switches such as SPECOPS_FUSED_LOSS) and, from older command
     lines, `lr_sweep` (one variant per lr). A variant equal to the main recipe, or to an earlier
-    variant, is dropped. Each comes back with its name (the directory and result key)."""
+    variant, is dropped. Each comes back with its name (the directory and result key) and its lr
+    (the main one unless it sets its own: the winner's lr is reported whichever run wins)."""
     main = {"lr": float(s["lr"])}
+    # the main run's own train values: a variant entry that repeats one of them changes nothing
+    same = {"batch_tokens": s.get("batch_tokens"), "warmup_steps": s.get("warmup"), **main_train(s)}
     out, seen = [], {variant_name(main)}
     for v in [*({"lr": float(x)} for x in s.get("lr_sweep", ())), *s.get("sweep", ())]:
         v = {k: (float(x) if k == "lr" else x) for k, x in v.items()}
         bad = [k for k in v if k not in SWEEP_KEYS]
         if bad:
             raise SystemExit(f"sweep: unknown key(s) {bad}; allowed: {sorted(SWEEP_KEYS)}")
+        v = {k: x for k, x in v.items() if k in _NOT_TRAIN or k not in same or same[k] != x}
         name = variant_name({**main, **v})
         if name not in seen:
             seen.add(name)
-            out.append({**v, "name": name})
+            out.append({"lr": main["lr"], **v, "name": name})
     return out
 
 
@@ -395,7 +418,7 @@ def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_dra
     if ours_drafter:
         log("lr-sweep: skipped (--ours-drafter: no drafter trained here)")
         return
-    main = {"lr": float(s["lr"]), "name": variant_name({"lr": float(s["lr"])})}
+    main = {"lr": float(s["lr"]), **main_train(s), "name": variant_name({"lr": float(s["lr"])})}
     extra = sweep_variants(s)
     prior = (read_result(work, "lr-sweep") or {}).get("runs", {})
     runs: dict[str, Any] = {main["name"]: {**_sweep_run(work / "campaign", main), "main": True}}
@@ -765,7 +788,8 @@ def main() -> None:
                     help="override one entry of the scale (e.g. lr=1e-3, epochs=2, eval_limit=40); the value is "
                          "parsed as a Python literal, else kept as a string")
     args = ap.parse_args()
-    s = {"lr_sweep": (), "sweep": (), "sweep_timeout_s": None, "sweep_start_by_s": None, **SCALES[args.scale]}
+    s = {"lr_sweep": (), "sweep": (), "sweep_timeout_s": None, "sweep_start_by_s": None, "train": {},
+         **SCALES[args.scale]}
     for kv in args.set:
         key, sep, val = kv.partition("=")
         if not sep or key not in s:
