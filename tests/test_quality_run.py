@@ -77,8 +77,8 @@ def test_h200_main_run_is_the_anchors_recipe_and_the_variants_probe_it(quality):
     """Session 10: speculators' recipe (Muon, frozen lm_head, linear schedule to 0, clip 1.0, weight
     decay 0.1) in our trainer beat our earlier recipe on val (simulated tau 4.07 vs 2.60), so it is the
     main run; the variants try twice the steps, twice the lr, each half of the recipe alone (the
-    frozen head with AdamW + cosine, Muon with a trained head), the anchor's 8,192 tokens/step and
-    its row packing. Every variant writes a train section the trainer accepts."""
+    frozen head with AdamW + cosine, Muon with a trained head), the anchor's 8,192 tokens/step, equal
+    TTT step weights and its row packing. Every variant writes a train section the trainer accepts."""
     from specops.config import TrainSection
 
     h200 = {"train": {}, **quality.SCALES["h200"]}
@@ -87,11 +87,12 @@ def test_h200_main_run_is_the_anchors_recipe_and_the_variants_probe_it(quality):
             **quality.SPECULATORS_RECIPE}
     got = quality.sweep_variants(h200)
     trains = [{**main, **{k: v for k, v in x.items() if k not in quality._NOT_TRAIN}} for x in got]
-    assert [t["batch_tokens"] for t in trains] == [2048, 4096, 4096, 4096, 8192, 4096]
-    assert [t["lr"] for t in trains] == [1e-3, 2e-3, 1e-3, 1e-3, 1e-3, 1e-3]
+    assert [t["batch_tokens"] for t in trains] == [2048, 4096, 4096, 4096, 8192, 4096, 4096]
+    assert [t["lr"] for t in trains] == [1e-3, 2e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3]
+    assert [t.get("loss_decay") for t in trains] == [None] * 5 + [1.0, None]
     assert (trains[2]["optimizer"], trains[2]["freeze_lm_head"], trains[2]["lr_schedule"]) == ("adamw", True, "cosine")
     assert (trains[3]["optimizer"], trains[3]["freeze_lm_head"]) == ("muon", False)
-    assert trains[5]["pack_rows"] == 2048
+    assert trains[6]["pack_rows"] == 2048
     for t in trains:
         assert TrainSection(**t).cuda_graphs == "auto"
     assert all(len(x["name"]) < 200 and "/" not in x["name"] for x in got)  # a file name each

@@ -78,7 +78,8 @@ SCALES: dict[str, dict[str, Any]] = {
         # (`train` below, warm-up 30 as ~1 % of 2,918 steps), and the variants, in order: twice the
         # steps (2,048 tokens/step), twice the lr, then which half of the recipe carries it (the
         # frozen head with our AdamW + cosine; Muon with a trained head), then the anchor's own step
-        # count (8,192, its val accuracy directly comparable), then its row packing.
+        # count (8,192, its val accuracy directly comparable), every TTT step weighted alike (speculators'
+        # own default; both trainers run 0.8 here), then its row packing.
         lr=1e-3, warmup=30, batch_tokens=4096, train=SPECULATORS_RECIPE,
         sweep=({"batch_tokens": 2048, "warmup_steps": 60, "timeout_s": 280},
                {"lr": 2e-3},
@@ -86,6 +87,7 @@ SCALES: dict[str, dict[str, Any]] = {
                 "weight_decay": 0.0, "warmup_steps": 50},
                {"freeze_lm_head": False},
                {"batch_tokens": 8192, "warmup_steps": 12, "timeout_s": 200},
+               {"loss_decay": 1.0},
                {"pack_rows": 2048}),
         # no generation in a lease that carries the records (.cache/q10/records.tar.xz, --records):
         # the main run is trained ~4 minutes in, each variant takes ~2, and the anchor + both
