@@ -45,16 +45,21 @@ from specops.extract import (  # noqa: E402
 )
 
 
-def make_target(tiny: bool, device: torch.device, work: Path) -> TargetModel:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def target_config(tiny: bool):
+    """The bench target's LlamaConfig: 8B-shaped, or a tiny one for CPUs."""
+    from transformers import LlamaConfig
 
     if tiny:
-        cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096)
-    else:
-        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                          rope_theta=500000.0)
+        return LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096)
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+
+
+def make_target(tiny: bool, device: torch.device, work: Path) -> TargetModel:
+    from transformers import AutoModelForCausalLM
+
+    cfg = target_config(tiny)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,6 +40,76 @@ from safetensors.torch import save_file  # noqa: E402
 from specops.campaign import Campaign  # noqa: E402
 from specops.config import config_from_dict  # noqa: E402
 from specops.drafter.train import run_train  # noqa: E402
+
+
+SHAPES = {"tiny": (64, 8, 512, 128, 128, 4, 2), "8b": (4096, 32, 128256, 32000, 14336, 32, 8),
+          "smollm2": (576, 30, 49152, 32000, 1536, 9, 3)}
+
+
+def write_synthetic_campaign(work: Path, shape: str, seqs: int, seq_len: int, vary_len: int | None) -> tuple[Path, Path]:
+    """A target dir (config + final norm + lm_head + embed, random bf16) and a campaign dir with
+    build/vocab.safetensors and feature shards of `seqs` train / 2 val samples in the DESIGN format,
+    under `work`; seeded, so two calls write the same bytes. Returns (campaign dir, target dir)."""
+    H, L, V, DV, I, NH, NKV = SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    tdir = work / "target"
+    tdir.mkdir(parents=True)
+    (tdir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
+        "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": NH,
+        "num_key_value_heads": NKV, "vocab_size": V, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False}))
+    save_file({"model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+               "lm_head.weight": (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16),
+               "model.embed_tokens.weight": (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16)},
+              str(tdir / "model.safetensors"))
+    camp_dir = work / "camp"
+    build = camp_dir / "build"
+    build.mkdir(parents=True)
+    ids_vocab = torch.sort(torch.randperm(V, generator=g)[:DV]).values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids_vocab] = True
+    save_file({"d2t": ids_vocab - torch.arange(DV), "t2d": t2d}, str(build / "vocab.safetensors"))
+    for split, n in (("train", seqs), ("val", 2)):
+        d = camp_dir / "features" / split
+        d.mkdir(parents=True)
+        T = seq_len
+        shards = []
+        per = 8
+        for k, s0 in enumerate(range(0, n, per)):
+            m = min(per, n - s0)
+            if vary_len:
+                lens = torch.randint(min(vary_len, T), T + 1, (m,), generator=g)
+            else:
+                lens = torch.full((m,), T)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+            N = int(offsets[-1])
+            t = {"input_ids": ids_vocab[torch.randint(0, DV, (N,), generator=g)].to(torch.int32),
+                 "loss_mask": torch.ones(N, dtype=torch.uint8),
+                 "offsets": offsets,
+                 "sample_index": torch.arange(s0, s0 + m),
+                 "aux": torch.randn(N, 3, H, generator=g).to(torch.bfloat16),
+                 "final": torch.randn(N, H, generator=g).to(torch.bfloat16)}
+            name = f"shard-00-{k:05d}.safetensors"
+            save_file(t, str(d / name))
+            shards.append({"name": name, "n_samples": m, "n_tokens": N})
+        (d / "index.json").write_text(json.dumps({
+            "format": "specops-features-v1", "aux_layer_ids": [2, L // 2, L - 3],
+            "aux_layer_convention": "input-to-layer (= HF hidden_states index)", "final": "pre-norm",
+            "hidden_size": H, "num_hidden_layers": L, "dtype": "bfloat16", "split": split,
+            "shards": shards, "complete": True}))
+    (work / "d.jsonl").write_text('{"prompt": "x"}\n')
+    return camp_dir, tdir
+
+
+def synthetic_train_config(camp_dir: Path, tdir: Path, **train: Any):
+    """The config of a training run on write_synthetic_campaign's campaign (train.* overrides)."""
+    return config_from_dict({
+        "campaign": {"name": "tb", "dir": str(camp_dir)},
+        "target": {"model": str(tdir)},
+        "train": {"warmup_steps": 2, "log_every": 2, "eval_every": 10 ** 6, "checkpoint_every": 10 ** 6, **train},
+        "datasets": [{"name": "d", "path": str(tdir.parent / "d.jsonl")}],
+    })
 
 
 def main() -> None:
@@ -57,69 +128,13 @@ def main() -> None:
     ap.add_argument("--cuda-graphs", action="store_true", help="train.cuda_graphs (drafter/graphs.py)")
     ap.add_argument("--graph-bucket", type=int, default=128)
     a = ap.parse_args()
-    shapes = {"tiny": (64, 8, 512, 128, 128, 4, 2), "8b": (4096, 32, 128256, 32000, 14336, 32, 8),
-              "smollm2": (576, 30, 49152, 32000, 1536, 9, 3)}
     shape = "tiny" if a.tiny else a.shape
-    H, L, V, DV, I, NH, NKV = shapes[shape]
     work = Path(tempfile.mkdtemp(prefix="specops-train-bench-"))
     try:
-        g = torch.Generator().manual_seed(0)
-        tdir = work / "target"
-        tdir.mkdir()
-        (tdir / "config.json").write_text(json.dumps({
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
-            "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": NH,
-            "num_key_value_heads": NKV, "vocab_size": V, "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False}))
-        save_file({"model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
-                   "lm_head.weight": (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16),
-                   "model.embed_tokens.weight": (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16)},
-                  str(tdir / "model.safetensors"))
-        camp_dir = work / "camp"
-        build = camp_dir / "build"
-        build.mkdir(parents=True)
-        ids_vocab = torch.sort(torch.randperm(V, generator=g)[:DV]).values
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[ids_vocab] = True
-        save_file({"d2t": ids_vocab - torch.arange(DV), "t2d": t2d}, str(build / "vocab.safetensors"))
-        for split, n in (("train", a.seqs), ("val", 2)):
-            d = camp_dir / "features" / split
-            d.mkdir(parents=True)
-            T = a.seq_len
-            shards = []
-            per = 8
-            for k, s0 in enumerate(range(0, n, per)):
-                m = min(per, n - s0)
-                if a.vary_len:
-                    lens = torch.randint(min(a.vary_len, T), T + 1, (m,), generator=g)
-                else:
-                    lens = torch.full((m,), T)
-                offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
-                N = int(offsets[-1])
-                t = {"input_ids": ids_vocab[torch.randint(0, DV, (N,), generator=g)].to(torch.int32),
-                     "loss_mask": torch.ones(N, dtype=torch.uint8),
-                     "offsets": offsets,
-                     "sample_index": torch.arange(s0, s0 + m),
-                     "aux": torch.randn(N, 3, H, generator=g).to(torch.bfloat16),
-                     "final": torch.randn(N, H, generator=g).to(torch.bfloat16)}
-                name = f"shard-00-{k:05d}.safetensors"
-                save_file(t, str(d / name))
-                shards.append({"name": name, "n_samples": m, "n_tokens": N})
-            (d / "index.json").write_text(json.dumps({
-                "format": "specops-features-v1", "aux_layer_ids": [2, L // 2, L - 3],
-                "aux_layer_convention": "input-to-layer (= HF hidden_states index)", "final": "pre-norm",
-                "hidden_size": H, "num_hidden_layers": L, "dtype": "bfloat16", "split": split,
-                "shards": shards, "complete": True}))
-        (work / "d.jsonl").write_text('{"prompt": "x"}\n')
-        cfg = config_from_dict({
-            "campaign": {"name": "tb", "dir": str(camp_dir)},
-            "target": {"model": str(tdir)},
-            "train": {"ttt_steps": a.ttt, "batch_tokens": a.batch_tokens, "warmup_steps": 2,
-                      "total_steps": a.steps, "log_every": 2, "eval_every": 10 ** 6,
-                      "checkpoint_every": 10 ** 6, "max_seq_len": a.seq_len,
-                      "cuda_graphs": a.cuda_graphs, "graph_bucket": a.graph_bucket},
-            "datasets": [{"name": "d", "path": str(work / "d.jsonl")}],
-        })
+        camp_dir, tdir = write_synthetic_campaign(work, shape, a.seqs, a.seq_len, a.vary_len)
+        cfg = synthetic_train_config(camp_dir, tdir, ttt_steps=a.ttt, batch_tokens=a.batch_tokens,
+                                     total_steps=a.steps, max_seq_len=a.seq_len, cuda_graphs=a.cuda_graphs,
+                                     graph_bucket=a.graph_bucket)
         camp = Campaign.create_or_open(cfg)
         prof = hook = None
         if a.profile:
