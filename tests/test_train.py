@@ -932,3 +932,29 @@ def test_ttt_ops_bench_runs_and_reports(tmp_path):
     r = json.loads(out.read_text())
     assert r["ops"] == r["forward_ops"] + r["backward_ops"] and r["forward_ops"] > 100 and r["backward_ops"] > 100
     assert r["min_ms"] > 0 and r["loss"] > 0 and dict(r["top_ops"]).get("aten.mm", 0) > 0
+
+
+def test_loss_on_prompt_trains_on_every_token_and_validates_on_the_generated_ones(tiny, tmp_path):
+    """train.loss_on_prompt: the train split's samples count every token (the prompt's too), so the
+    same batches give another loss; the val pass still counts only the generated tokens, so its
+    positions equal the default run's and val stays comparable across the two recipes."""
+    from specops.drafter.train import FeatureSplit
+
+    common = {**BASE, "total_steps": 4, "batch_tokens": 96, "eval_every": 4, "checkpoint_every": 1000}
+    a = seed_campaign(tiny, tmp_path, common, name="a")
+    b = seed_campaign(tiny, tmp_path, {**common, "loss_on_prompt": True}, name="b")
+    run_train(load_config(tmp_path / "a.toml"), a)
+    run_train(load_config(tmp_path / "b.toml"), b)
+    ta, tb = metrics(a.root), metrics(b.root)
+    assert [r["tokens"] for r in ta] == [r["tokens"] for r in tb]  # the same batches
+    assert ta[0]["loss"] != tb[0]["loss"]
+    va, vb = metrics(a.root, "val")[-1], metrics(b.root, "val")[-1]
+    assert va["positions"] == vb["positions"] and va["positions"][0] > 0
+    # the graph-ready step (train.cuda_graphs; eager on a CPU) takes the same masks
+    c = seed_campaign(tiny, tmp_path, {**common, "loss_on_prompt": True, "cuda_graphs": True}, name="c")
+    run_train(load_config(tmp_path / "c.toml"), c)
+    assert metrics(c.root, "val")[-1]["positions"] == va["positions"]
+    split = FeatureSplit(b.root / "features" / "train")
+    stored = split.get(0).loss_mask
+    split.all_positions = True
+    assert not stored.all() and split.get(0).loss_mask.all() and len(split) == len(FeatureSplit(a.root / "features" / "train"))

@@ -76,17 +76,21 @@ SCALES: dict[str, dict[str, Any]] = {
         # 4,096 tokens/step: that recipe in our trainer reached val simulated tau 4.072 against 2.604
         # (acc at step 0: 0.827 vs 0.672; val loss 6.19 vs 10.25). So it is the main recipe now
         # (`train` below, warm-up 30 as ~1 % of 2,918 steps), and the variants, in order: twice the
-        # steps (2,048 tokens/step), twice the lr, then which half of the recipe carries it (the
-        # frozen head with our AdamW + cosine; Muon with a trained head), then the anchor's own step
-        # count (8,192, its val accuracy directly comparable), every TTT step weighted alike (speculators'
-        # own default; both trainers run 0.8 here), then its row packing.
+        # steps (2,048 tokens/step), twice the lr, the loss on the prompt's tokens too
+        # (train.loss_on_prompt: more signal from the same samples, which speculators' trainer does
+        # not take; val counts generated tokens only either way), the anchor's own step count
+        # (8,192: its val accuracy directly comparable, and our train rate at its batch), then which
+        # half of the recipe carries it (the frozen head with our AdamW + cosine; Muon with a trained
+        # head), every TTT step weighted alike (speculators' own default; both trainers run 0.8
+        # here), then its row packing.
         lr=1e-3, warmup=30, batch_tokens=4096, train=SPECULATORS_RECIPE,
         sweep=({"batch_tokens": 2048, "warmup_steps": 60, "timeout_s": 280},
                {"lr": 2e-3},
+               {"loss_on_prompt": True},
+               {"batch_tokens": 8192, "warmup_steps": 12, "timeout_s": 200},
                {"optimizer": "adamw", "lr_schedule": "cosine", "min_lr_ratio": 0.1, "max_grad_norm": 0.5,
                 "weight_decay": 0.0, "warmup_steps": 50},
                {"freeze_lm_head": False},
-               {"batch_tokens": 8192, "warmup_steps": 12, "timeout_s": 200},
                {"loss_decay": 1.0},
                {"pack_rows": 2048}),
         # no generation in a lease that carries the records (.cache/q10/records.tar.xz, --records):
@@ -355,7 +359,7 @@ def sweep_variants(s: dict[str, Any]) -> list[dict[str, Any]]:
 # what a sweep variant may change: train.* keys (the same data and epochs always) and trainer switches
 SWEEP_KEYS = {"lr", "batch_tokens", "loss_decay", "warmup_steps", "min_lr_ratio", "weight_decay",
               "norm_before_residual", "max_grad_norm", "cuda_graphs", "graph_bucket", "optimizer", "freeze_lm_head",
-              "lr_schedule", "pack_rows", "env", "timeout_s"}
+              "lr_schedule", "pack_rows", "loss_on_prompt", "env", "timeout_s"}
 _NOT_TRAIN = ("name", "env", "timeout_s")  # variant keys that are not train.* overrides
 
 

@@ -210,6 +210,10 @@ class TrainSection:
     # Rows of several shuffled documents, pack_rows tokens each, batch_tokens // pack_rows rows per
     # batch (first-fit; one shape for every batch). None: one document per row, length-bucketed.
     pack_rows: int | None = None
+    # The training loss on every token of a sample, the prompt's too (the target's next-token
+    # distribution there: more signal from the same samples); validation, like evaluation, counts
+    # only the tokens the target generated.
+    loss_on_prompt: bool = False
     max_grad_norm: float = 1.0
     weight_decay: float = 0.1  # on weight matrices only, never on norms
     log_every: int = 10

@@ -188,7 +188,11 @@ def _usable(loss_mask: torch.Tensor) -> bool:
 
 
 class FeatureSplit:
-    """features/<split>/: index.json + shard-*.safetensors (DESIGN "features/"), read lazily."""
+    """features/<split>/: index.json + shard-*.safetensors (DESIGN "features/"), read lazily.
+    all_positions (train.loss_on_prompt, the train split only): each sample's loss mask is all ones;
+    which samples are used still follows the stored mask."""
+
+    all_positions = False
 
     def __init__(self, split_dir: Path, *, max_seq_len: int | None = None, out_dtype: torch.dtype = torch.float32):
         from safetensors import safe_open
@@ -241,14 +245,17 @@ class FeatureSplit:
             final = final.float() * h.get_slice("final_scale")[a:b].float()[..., None]
         return Sample(
             h.get_slice("input_ids")[a:b].long(),
-            h.get_slice("loss_mask")[a:b].bool(),
+            torch.ones(b - a, dtype=torch.bool) if self.all_positions else h.get_slice("loss_mask")[a:b].bool(),
             aux.to(self.out_dtype),
             final.to(self.out_dtype),
         )
 
 
 class TokenSplit:
-    """build/<split>.safetensors (input_ids, loss_mask, offsets) for online mode."""
+    """build/<split>.safetensors (input_ids, loss_mask, offsets) for online mode (all_positions: as
+    FeatureSplit's)."""
+
+    all_positions = False
 
     def __init__(self, path: Path, *, max_seq_len: int | None = None):
         from safetensors.torch import load_file
@@ -275,7 +282,7 @@ class TokenSplit:
 
     def get(self, i: int) -> Sample:
         a, b = self.items[i]
-        return Sample(self.ids[a:b], self.mask[a:b])
+        return Sample(self.ids[a:b], torch.ones(b - a, dtype=torch.bool) if self.all_positions else self.mask[a:b])
 
 
 def bucketed(lengths: list[int], bucket: int) -> list[int]:
@@ -1040,6 +1047,8 @@ class _Trainer:
                                                                              "aux_layer_ids", None)
             final_prenorm = True
             self.inputs = {"build": str(bdir)}
+        # train.loss_on_prompt: the training loss counts every token, the prompt's too; val never does
+        self.train_split.all_positions = bool(tc.loss_on_prompt)
         if self.val_split is not None and len(self.val_split) == 0:
             self.val_split = None
         if len(self.train_split) == 0:
