@@ -87,13 +87,14 @@ def test_h200_main_run_is_the_anchors_recipe_and_the_variants_probe_it(quality):
             **quality.SPECULATORS_RECIPE}
     got = quality.sweep_variants(h200)
     trains = [{**main, **{k: v for k, v in x.items() if k not in quality._NOT_TRAIN}} for x in got]
-    assert [t["batch_tokens"] for t in trains] == [2048, 4096, 4096, 8192, 4096, 4096, 4096, 4096]
-    assert [t["lr"] for t in trains] == [1e-3, 2e-3] + [1e-3] * 6
-    assert [t.get("loss_on_prompt") for t in trains] == [None, None, True] + [None] * 5
-    assert (trains[4]["optimizer"], trains[4]["freeze_lm_head"], trains[4]["lr_schedule"]) == ("adamw", True, "cosine")
-    assert (trains[5]["optimizer"], trains[5]["freeze_lm_head"]) == ("muon", False)
-    assert [t.get("loss_decay") for t in trains] == [None] * 6 + [1.0, None]
-    assert trains[7]["pack_rows"] == 2048
+    assert [t["batch_tokens"] for t in trains] == [2048, 4096, 4096, 4096, 8192, 4096, 4096, 4096, 4096]
+    assert [t["lr"] for t in trains] == [1e-3, 2e-3] + [1e-3] * 7
+    assert [t.get("loss_on_prompt") for t in trains] == [None, None, True] + [None] * 6
+    assert [t.get("init_norm_from_target") for t in trains] == [None] * 3 + [True] + [None] * 5
+    assert (trains[5]["optimizer"], trains[5]["freeze_lm_head"], trains[5]["lr_schedule"]) == ("adamw", True, "cosine")
+    assert (trains[6]["optimizer"], trains[6]["freeze_lm_head"]) == ("muon", False)
+    assert [t.get("loss_decay") for t in trains] == [None] * 7 + [1.0, None]
+    assert trains[8]["pack_rows"] == 2048
     for t in trains:
         assert TrainSection(**t).cuda_graphs == "auto"
     assert all(len(x["name"]) < 200 and "/" not in x["name"] for x in got)  # a file name each

@@ -958,3 +958,19 @@ def test_loss_on_prompt_trains_on_every_token_and_validates_on_the_generated_one
     stored = split.get(0).loss_mask
     split.all_positions = True
     assert not stored.all() and split.get(0).loss_mask.all() and len(split) == len(FeatureSplit(a.root / "features" / "train"))
+
+
+def test_init_norm_from_target_starts_the_drafter_readout_as_the_targets(tiny, tmp_path):
+    """train.init_norm_from_target: the drafter's final norm starts at the target's final norm weight
+    (the tiny target's is uniform in 0.5..1.5), so with the frozen lm_head its readout starts as the
+    target's; by default it starts at ones. One step at lr 1e-9 leaves either where it began."""
+    from specops.drafter.train import load_target_head
+
+    common = {**BASE, "lr": 1e-9, "total_steps": 1, "batch_tokens": 96, "eval_every": 1000, "checkpoint_every": 1000}
+    want = load_target_head(tiny["target"]).norm_weight.float()
+    assert not torch.allclose(want, torch.ones_like(want), atol=0.1)
+    for name, init in (("plain", False), ("init", True)):
+        camp = seed_campaign(tiny, tmp_path, {**common, "init_norm_from_target": init}, name=name)
+        s = run_train(load_config(tmp_path / f"{name}.toml"), camp)
+        w = load_file(str(Path(s["checkpoint"]) / "model.safetensors"))["norm.weight"].float()
+        torch.testing.assert_close(w, want if init else torch.ones_like(want), atol=1e-6, rtol=0)

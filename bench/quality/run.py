@@ -78,7 +78,9 @@ SCALES: dict[str, dict[str, Any]] = {
         # (`train` below, warm-up 30 as ~1 % of 2,918 steps), and the variants, in order: twice the
         # steps (2,048 tokens/step), twice the lr, the loss on the prompt's tokens too
         # (train.loss_on_prompt: more signal from the same samples, which speculators' trainer does
-        # not take; val counts generated tokens only either way), the anchor's own step count
+        # not take; val counts generated tokens only either way), the drafter's final norm started at
+        # the target's (train.init_norm_from_target: with the frozen head, the target's own readout
+        # from step 0; speculators starts it at ones, as ours did), the anchor's own step count
         # (8,192: its val accuracy directly comparable, and our train rate at its batch), then which
         # half of the recipe carries it (the frozen head with our AdamW + cosine; Muon with a trained
         # head), every TTT step weighted alike (speculators' own default; both trainers run 0.8
@@ -87,6 +89,7 @@ SCALES: dict[str, dict[str, Any]] = {
         sweep=({"batch_tokens": 2048, "warmup_steps": 60, "timeout_s": 280},
                {"lr": 2e-3},
                {"loss_on_prompt": True},
+               {"init_norm_from_target": True},
                {"batch_tokens": 8192, "warmup_steps": 12, "timeout_s": 200},
                {"optimizer": "adamw", "lr_schedule": "cosine", "min_lr_ratio": 0.1, "max_grad_norm": 0.5,
                 "weight_decay": 0.0, "warmup_steps": 50},
@@ -359,7 +362,7 @@ def sweep_variants(s: dict[str, Any]) -> list[dict[str, Any]]:
 # what a sweep variant may change: train.* keys (the same data and epochs always) and trainer switches
 SWEEP_KEYS = {"lr", "batch_tokens", "loss_decay", "warmup_steps", "min_lr_ratio", "weight_decay",
               "norm_before_residual", "max_grad_norm", "cuda_graphs", "graph_bucket", "optimizer", "freeze_lm_head",
-              "lr_schedule", "pack_rows", "loss_on_prompt", "env", "timeout_s"}
+              "lr_schedule", "pack_rows", "loss_on_prompt", "init_norm_from_target", "env", "timeout_s"}
 _NOT_TRAIN = ("name", "env", "timeout_s")  # variant keys that are not train.* overrides
 
 

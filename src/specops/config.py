@@ -223,6 +223,8 @@ class TrainSection:
     draft_vocab_size: int | None = None  # default: build/vocab.safetensors; set = checked against it
     freeze_embeddings: bool = True
     freeze_lm_head: bool = True  # keep lm_head at the target's rows of the draft vocab
+    # start the drafter's final norm (before lm_head) at the target's final norm weight instead of ones
+    init_norm_from_target: bool = False
     # "muon": torch.optim.Muon on the layer's matrices and fc, AdamW on the rest (drafter/optim.py)
     optimizer: Literal["adamw", "muon"] = "muon"
     lr_schedule: Literal["cosine", "linear"] = "linear"  # after warm-up, down to lr * min_lr_ratio

@@ -1072,6 +1072,9 @@ class _Trainer:
         self.drafter.init_from_target(head.embed, head.lm_head, d2t, freeze_embeddings=tc.freeze_embeddings)
         if tc.freeze_lm_head:  # keep the target's own readout of the draft vocab (speculators does)
             self.drafter.lm_head.weight.requires_grad_(False)
+        if tc.init_norm_from_target:  # the drafter's readout starts as the target's: norm, then lm_head
+            with torch.no_grad():
+                self.drafter.norm.weight.copy_(head.norm_weight.to(self.drafter.norm.weight))
         if not torch.equal(self.drafter.t2d, vocab["t2d"].bool()):
             raise InputError("build/vocab.safetensors: t2d does not match d2t")
         self.drafter.to(self.device)
