@@ -98,22 +98,11 @@ def extract_worker(a: argparse.Namespace) -> None:
     (Path(a.camp) / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "wall_s": wall, "weight_probe": probe}))
 
 
-def samples_by_index(split_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
-    from specops.extract import read_shard
-
-    index = json.loads((split_dir / "index.json").read_text())
-    out = {}
-    for sh in index["shards"]:
-        t = read_shard(split_dir / sh["name"], dequantize=True)
-        offs = t["offsets"].tolist()
-        for j, si in enumerate(t["sample_index"].tolist()):
-            out[si] = {k: t[k][offs[j]:offs[j + 1]] for k in ("input_ids", "loss_mask", "aux", "final")}
-    return out
-
-
 def compare_features(one: Path, many: Path) -> dict[str, object]:
     """Same samples, ids and masks exactly; the features' largest absolute and relative differences."""
-    a, b = samples_by_index(one), samples_by_index(many)
+    from specops.extract import read_split
+
+    a, b = read_split(one, dequantize=True), read_split(many, dequantize=True)
     if sorted(a) != sorted(b):
         missing, extra = sorted(set(a) - set(b))[:10], sorted(set(b) - set(a))[:10]
         raise SystemExit(f"extract: the N-process shards hold other samples (missing {missing}, extra {extra})")

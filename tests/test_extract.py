@@ -31,6 +31,7 @@ from specops.extract import (
     plan_shards,
     plan_window_batches,
     read_shard,
+    read_split,
     run_extract,
     to_storage,
 )
@@ -119,18 +120,6 @@ def build_split(camp: Campaign, split: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(camp.root / "build" / f"{split}.safetensors"))
-
-
-def stored_by_sample(split_dir: Path, dequantize: bool = False) -> dict[int, dict[str, torch.Tensor]]:
-    index = json.loads((split_dir / "index.json").read_text())
-    out = {}
-    for sh in index["shards"]:
-        t = read_shard(split_dir / sh["name"], dequantize=dequantize)
-        offs = t["offsets"].tolist()
-        for j, si in enumerate(t["sample_index"].tolist()):
-            a, b = offs[j], offs[j + 1]
-            out[si] = {k: t[k][a:b] for k in t if k not in ("offsets", "sample_index")}
-    return out
 
 
 def sha256(path: Path) -> str:
@@ -247,7 +236,7 @@ def test_llama_features_equal_hf_hidden_states_and_online(tmp_path, llama_dir):
     assert (camp.read_manifest())["phases"]["extract"]["state"] == "done"
 
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
-    stored = stored_by_sample(camp.root / "features" / "train")
+    stored = read_split(camp.root / "features" / "train")
     build = build_split(camp, "train")
     check_against_hf(stored, build, model, model.model, AUX, every=3)
 
@@ -313,7 +302,7 @@ def test_fp8_within_e4m3_tolerance(tmp_path, llama_dir):
     # scale = per-token absmax / 448: every token's largest |q| is exactly the e4m3 max.
     assert (raw["aux"].float().abs().amax(-1) == 448).all() and (raw["final"].float().abs().amax(-1) == 448).all()
 
-    stored = stored_by_sample(d, dequantize=True)
+    stored = read_split(d, dequantize=True)
     build = build_split(camp, "train")
     target = load_target(llama_dir, "float32", "cpu")
     offs = build["offsets"].tolist()
@@ -396,7 +385,7 @@ def test_deepseek_v3_and_llava_wrapped_deepseek(tmp_path):
         index = json.loads((camp.root / "features" / "train" / "index.json").read_text())
         assert (index["num_hidden_layers"], index["hidden_size"], index["aux_layer_ids"]) == (L, 64, AUX)
         assert index["vocab_size"] == VOCAB
-        runs[name] = (camp, stored_by_sample(camp.root / "features" / "train"))
+        runs[name] = (camp, read_split(camp.root / "features" / "train"))
 
     camp, stored = runs["ds"]
     check_against_hf(stored, build_split(camp, "train"), ds, ds.model, AUX)
@@ -443,7 +432,7 @@ def test_torchrun_two_processes_match_one(tmp_path, llama_dir):
         if split == "train":
             assert {n[:8] for n in names2} == {"shard-00", "shard-01"}  # both ranks wrote
         assert i2["plan"]["world_size"] == 2 and i1["plan"]["world_size"] == 1
-        s1, s2 = stored_by_sample(d1), stored_by_sample(d2)
+        s1, s2 = read_split(d1), read_split(d2)
         assert sorted(s1) == sorted(s2) == list(range(len(LENGTHS[split])))
         for i in s1:
             assert torch.equal(s1[i]["input_ids"], s2[i]["input_ids"])
@@ -467,7 +456,7 @@ def test_tail_split_stores_the_same_features_in_smaller_final_shards(tmp_path, l
     # the last shards hold <= shard_tokens / 3 tokens (or one longer sample)
     assert all(sh["n_tokens"] <= 600 // 3 or sh["n_samples"] == 1 for sh in i3["shards"][-3:])
     assert max(sh["n_tokens"] for sh in i1["shards"][-3:]) > 600 // 3
-    s1, s3 = stored_by_sample(d1), stored_by_sample(d3)
+    s1, s3 = read_split(d1), read_split(d3)
     assert sorted(s1) == sorted(s3) == list(range(len(LENGTHS["train"])))
     for i in s1:
         for key in ("input_ids", "loss_mask", "aux", "final"):

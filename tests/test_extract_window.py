@@ -38,6 +38,7 @@ from specops.extract import (
     plan_shards,
     plan_window_batches,
     plan_windows,
+    read_split,
     run_extract,
     to_storage,
 )
@@ -51,7 +52,6 @@ from test_extract import (
     make_llama,
     sha256,
     shard_files,
-    stored_by_sample,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -174,7 +174,7 @@ def check_window_run(camp, cfg, target, window: int) -> dict[str, dict]:
     x = cfg.extract
     d = camp.root / "features" / "train"
     want, padded = expected_features(camp, "train", x.shard_tokens, x.token_budget, window, target, x.dtype)
-    stored = stored_by_sample(d)
+    stored = read_split(d)
     assert sorted(stored) == sorted(want)
     for i, rec in stored.items():
         for key, v in want[i].items():
@@ -230,7 +230,7 @@ def test_window_three_routes_every_row_to_its_shard(tmp_path, llama_dir, monkeyp
         assert digest(d / sh["name"]) == sh["digest"]
     # ... and HF's own hidden states (fp32 forwards, bf16 storage)
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
-    check_against_hf(stored_by_sample(d), build_split(camp, "train"), model, model.model, AUX, every=2)
+    check_against_hf(read_split(d), build_split(camp, "train"), model, model.model, AUX, every=2)
 
     # Each shard went to the finalizer right after the last batch holding its rows.
     offs = build_split(camp, "train")["offsets"].tolist()

@@ -360,6 +360,21 @@ def read_shard(path: str | os.PathLike[str], *, dequantize: bool = False) -> dic
     return t
 
 
+def read_split(split_dir: str | os.PathLike[str], *, dequantize: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+    """features/<split>/ whole, by sample index: {sample: {input_ids, loss_mask, aux, final (+ the
+    fp8 scales unless dequantize)}}, each a view of that sample's token rows. For inspection, tests
+    and benches; training reads shards lazily (drafter/train.py FeatureSplit)."""
+    split_dir = Path(split_dir)
+    index = json.loads((split_dir / "index.json").read_text())
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for sh in index["shards"]:
+        t = read_shard(split_dir / sh["name"], dequantize=dequantize)
+        offs = t["offsets"].tolist()
+        for j, si in enumerate(t["sample_index"].tolist()):
+            out[si] = {k: v[offs[j]:offs[j + 1]] for k, v in t.items() if k not in ("offsets", "sample_index")}
+    return out
+
+
 def feature_bytes_per_token(hidden_size: int, dtype: str, n_aux: int = 3) -> int:
     """Bytes per token in a shard: input_ids (4) + loss_mask (1) + (n_aux + 1) x H features (+ scales)."""
     if dtype == "bfloat16":
