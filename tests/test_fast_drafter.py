@@ -90,7 +90,7 @@ def test_static_runner_refuses_a_wrong_start():
 
 class _WrongGraph:
     def replay(self):
-        pass
+        """Writes nothing into the static outputs: what a stale or broken capture replays."""
 
 
 @pytest.mark.parametrize("failure", ["capture raises", "replay differs"])
