@@ -329,10 +329,9 @@ def main_train(s: dict[str, Any]) -> dict[str, Any]:
     """The main run's train.* overrides beyond lr / warm-up / tokens per step (the scale's `train`
     entry; the sweep's variants apply on top of them), checked against the keys a variant may set."""
     t = dict(s.get("train") or {})
-    bad = [k for k in t if k not in SWEEP_KEYS or k in _NOT_TRAIN or k in ("lr", "warmup_steps", "batch_tokens")]
-    if bad:
-        raise SystemExit(f"scale train: key(s) {bad} not allowed (lr, warmup and batch_tokens have their own "
-                         f"scale entries; allowed: {sorted(SWEEP_KEYS - {'lr', 'warmup_steps', 'batch_tokens', *_NOT_TRAIN})})")
+    allowed = SWEEP_KEYS - {"lr", "warmup_steps", "batch_tokens", *_NOT_TRAIN}  # those three: own scale entries
+    if bad := [k for k in t if k not in allowed]:
+        raise SystemExit(f"scale train: key(s) {bad} not allowed (allowed: {sorted(allowed)})")
     return t
 
 
