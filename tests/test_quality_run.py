@@ -49,8 +49,8 @@ def test_every_scale_gives_valid_variants(quality):
             assert set(v) - {"name"} <= quality.SWEEP_KEYS, (name, v)
             assert isinstance(v["lr"], float), (name, v)  # the winner's lr is reported, whoever wins
     h200 = quality.SCALES["h200"]
-    # the anchor at its own default tokens per step; our main recipe at 4,096 (session 9's choice on val)
-    assert h200["anchor_total_seq_len"] == 8192 and h200["batch_tokens"] == 4096
+    # the anchor at its own default tokens per step; our main recipe at 2,048 (session 11's choice on val)
+    assert h200["anchor_total_seq_len"] == 8192 and h200["batch_tokens"] == 2048
     assert quality.anchor_seq_len(h200) == 8192
 
 
@@ -76,25 +76,48 @@ def test_variant_entries_equal_to_the_main_run_change_nothing(quality):
 def test_h200_main_run_is_the_anchors_recipe_and_the_variants_probe_it(quality):
     """Session 10: speculators' recipe (Muon, frozen lm_head, linear schedule to 0, clip 1.0, weight
     decay 0.1) in our trainer beat our earlier recipe on val (simulated tau 4.07 vs 2.60), so it is the
-    main run; the variants try twice the steps, twice the lr, each half of the recipe alone (the
-    frozen head with AdamW + cosine, Muon with a trained head), the anchor's 8,192 tokens/step, equal
-    TTT step weights and its row packing. Every variant writes a train section the trainer accepts."""
+    main run; session 11's sweep chose 2,048 tokens/step for it. The variants try twice the lr and the
+    loss on the prompt on top of it, half the tokens per step again, the anchor's 8,192 tokens/step,
+    each half of the recipe alone (the frozen head with AdamW + cosine, Muon with a trained head),
+    equal TTT step weights and row packing. Every variant writes a train section the trainer accepts."""
     from specops.config import TrainSection
 
     h200 = {"train": {}, **quality.SCALES["h200"]}
     assert quality.main_train(h200) == quality.SPECULATORS_RECIPE
+    assert (h200["batch_tokens"], h200["warmup"], h200["lr"]) == (2048, 60, 1e-3)
     main = {"lr": h200["lr"], "warmup_steps": h200["warmup"], "batch_tokens": h200["batch_tokens"],
             **quality.SPECULATORS_RECIPE}
     got = quality.sweep_variants(h200)
     trains = [{**main, **{k: v for k, v in x.items() if k not in quality._NOT_TRAIN}} for x in got]
-    assert [t["batch_tokens"] for t in trains] == [2048, 4096, 4096, 4096, 8192, 4096, 4096, 4096, 4096]
-    assert [t["lr"] for t in trains] == [1e-3, 2e-3] + [1e-3] * 7
-    assert [t.get("loss_on_prompt") for t in trains] == [None, None, True] + [None] * 6
-    assert [t.get("init_norm_from_target") for t in trains] == [None] * 3 + [True] + [None] * 5
-    assert (trains[5]["optimizer"], trains[5]["freeze_lm_head"], trains[5]["lr_schedule"]) == ("adamw", True, "cosine")
-    assert (trains[6]["optimizer"], trains[6]["freeze_lm_head"]) == ("muon", False)
-    assert [t.get("loss_decay") for t in trains] == [None] * 7 + [1.0, None]
-    assert trains[8]["pack_rows"] == 2048
+    assert [t["batch_tokens"] for t in trains] == [2048, 2048, 1024, 8192, 2048, 2048, 2048, 2048]
+    assert [t["lr"] for t in trains] == [2e-3] + [1e-3] * 7
+    assert [t.get("loss_on_prompt") for t in trains] == [None, True] + [None] * 6
+    assert [t["warmup_steps"] for t in trains] == [60, 60, 120, 12, 50, 60, 60, 60]
+    assert (trains[4]["optimizer"], trains[4]["freeze_lm_head"], trains[4]["lr_schedule"]) == ("adamw", True, "cosine")
+    assert (trains[5]["optimizer"], trains[5]["freeze_lm_head"]) == ("muon", False)
+    assert [t.get("loss_decay") for t in trains] == [None] * 6 + [1.0, None]
+    assert trains[7]["pack_rows"] == 2048
     for t in trains:
         assert TrainSection(**t).cuda_graphs == "auto"
     assert all(len(x["name"]) < 200 and "/" not in x["name"] for x in got)  # a file name each
+
+
+def test_collect_reports_the_rate_at_the_anchors_tokens_per_step(quality, tmp_path):
+    """The session 11 lease's own result files: the chosen drafter trained at 2,048 tokens per step,
+    the anchor at 8,192; the like-for-like ratio is the 8,192 variant's rate over the anchor's."""
+    res = REPO / "bench" / "results" / "h200-2026-12-04c" / "results"
+    (tmp_path / "results").mkdir()
+    for name in ("lr-sweep", "anchor"):
+        (tmp_path / "results" / f"{name}.json").write_bytes((res / f"{name}.json").read_bytes())
+    train = quality.phase_collect(tmp_path)["train"]
+    assert train["anchor_tokens_per_step"] == 8192
+    assert train["ours_same_batch"] == "lr-0.001_batch_tokens-8192_warmup_steps-12"
+    assert train["ratio_same_batch"] == pytest.approx(130078.2 / 78124.67, rel=1e-6)
+    assert train["ours_chosen"] == "lr-0.001_batch_tokens-2048_warmup_steps-60"
+    assert train["ratio_chosen"] == pytest.approx(79128.6 / 78124.67, rel=1e-6)
+    # without a run at the anchor's batch the like-for-like figure is absent, never a stand-in
+    sweep = quality.read_result(tmp_path, "lr-sweep")
+    del sweep["runs"]["lr-0.001_batch_tokens-8192_warmup_steps-12"]
+    quality.write_result(tmp_path, "lr-sweep", sweep)
+    train = quality.phase_collect(tmp_path)["train"]
+    assert train["ours_same_batch"] is None and "ratio_same_batch" not in train

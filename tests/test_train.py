@@ -974,3 +974,22 @@ def test_init_norm_from_target_starts_the_drafter_readout_as_the_targets(tiny, t
         s = run_train(load_config(tmp_path / f"{name}.toml"), camp)
         w = load_file(str(Path(s["checkpoint"]) / "model.safetensors"))["norm.weight"].float()
         torch.testing.assert_close(w, want if init else torch.ones_like(want), atol=1e-6, rtol=0)
+
+
+def test_a_run_of_few_optimizer_steps_is_warned_about(tiny, tmp_path, caplog):
+    """Fewer than FEW_STEPS optimizer steps from epochs x batches (session 11: fewer, larger steps
+    cost 0.98 val simulated tau on the same data) is said loudly and kept in the manifest; a run
+    whose total_steps the user set is taken as meant."""
+    common = {**BASE, "epochs": 1, "batch_tokens": 96, "eval_every": 1000, "checkpoint_every": 1000}
+    camp = seed_campaign(tiny, tmp_path, common, name="few")
+    with caplog.at_level("WARNING", logger="specops.train"):
+        run_train(load_config(tmp_path / "few.toml"), camp)
+    assert "few optimizer steps" in caplog.text and "train.batch_tokens" in caplog.text
+    m = json.loads((Path(camp.root) / "drafter" / "manifest.json").read_text())["train"]
+    assert len(m["warnings"]) == 1 and m["warnings"][0].startswith(f"few optimizer steps: {m['counts']['total_steps']} ")
+    caplog.clear()
+    camp = seed_campaign(tiny, tmp_path, {**common, "total_steps": 2}, name="set")
+    with caplog.at_level("WARNING", logger="specops.train"):
+        run_train(load_config(tmp_path / "set.toml"), camp)
+    assert "few optimizer steps" not in caplog.text
+    assert json.loads((Path(camp.root) / "drafter" / "manifest.json").read_text())["train"]["warnings"] == []

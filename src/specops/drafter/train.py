@@ -60,6 +60,10 @@ log = logging.getLogger("specops.train")
 FEATURES_FORMAT = "specops-features-v1"
 _TTT_DENSE = os.environ.get("SPECOPS_TTT_DENSE", "0") == "1"
 HEARTBEAT_S = 10.0  # the longest wall time between two training heartbeats (maybe_heartbeat)
+# A run with fewer optimizer steps than this gets a warning: on 10.5K SmolLM2 samples (2 epochs, the
+# same data and recipe otherwise) 1,444 steps at 8,192 tokens/step reached val simulated tau 3.40,
+# 2,918 at 4,096 reached 4.06 and 6,046 at 2,048 reached 4.38 (session 11, docs/results.md).
+FEW_STEPS = 2000
 # The lm_head + soft cross-entropy of each TTT step as one autograd node (`linear_soft_ce`): one
 # fused pass per step reads each logit and its teacher probability once and keeps the logit
 # gradient. SPECOPS_FUSED_LOSS: "auto" (default: on CUDA), "1" (also on the CPU: tests), "0" (the
@@ -1118,6 +1122,14 @@ class _Trainer:
             raise InputError(f"train split gives {n0} batches of {tc.batch_tokens} tokens, fewer than "
                              f"world_size × grad_accum = {self.per_step}; lower train.batch_tokens")
         self.total_steps = tc.total_steps or tc.epochs * self.steps_per_epoch
+        self.warnings: list[str] = []
+        if tc.total_steps is None and self.total_steps < FEW_STEPS:
+            self.warnings.append(
+                f"few optimizer steps: {self.total_steps} ({tc.epochs} epochs x {self.steps_per_epoch} steps of "
+                f"{tc.batch_tokens} tokens x {self.per_step}); small campaigns learn more from more, smaller steps "
+                f"(fewer than {FEW_STEPS}: consider a lower train.batch_tokens, see docs/results.md session 11)")
+            if dist.rank == 0:
+                log.warning("train: %s", self.warnings[-1])
         self.optimizer, self.scheduler = build_optimizer(self.drafter, tc, fused=self.cuda, total_steps=self.total_steps)
         self._batches: dict[int, list[list[int]]] = {}  # epoch -> its batches (this and the next epoch)
         self.val_batches = (make_batches(self.val_split.lengths, tc.batch_tokens, seed=None)
@@ -1427,6 +1439,7 @@ class _Trainer:
                        "val_samples": len(self.val_split) if self.val_split else 0,
                        "train_tokens": sum(self.train_split.lengths), "steps_per_epoch": self.steps_per_epoch,
                        "total_steps": self.total_steps, "world_size": self.dist.world},
+            "warnings": self.warnings,
             "conventions": {
                 "aux_layer_ids": self.dcfg.aux_layer_ids,
                 "aux_layer_convention": "input-to-layer (= HF hidden_states index)",
