@@ -416,12 +416,14 @@ def free_port() -> int:
 
 
 def test_torchrun_two_processes_match_one(tmp_path, llama_dir):
+    """`torchrun --nproc_per_node=2 -m specops extract CAMPAIGN` (the CLI, gloo on CPUs) writes the
+    same samples, ids, masks and features as one process, each rank its own shards."""
     cfg1, camp1 = make_campaign(tmp_path / "one", llama_dir)
     _, camp2 = make_campaign(tmp_path / "two", llama_dir)
     run_extract(cfg1, camp1, split="both")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "specops.extract", str(camp2.root)]  # fmt: skip
+           "-m", "specops", "extract", str(camp2.root)]  # fmt: skip
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for split in ("train", "val"):
