@@ -516,3 +516,104 @@ def test_no_records_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match="generate"):
         run_build(cfg)
     assert os.path.isdir(tmp_path / "c")
+
+
+# ---------------------------------------------------------------- greedy loops
+
+
+def test_repeating_tokens_marks_later_copies_within_a_turn_only():
+    from specops.build import repeating_tokens
+
+    ids = np.array([9, 1, 2, 3, 1, 2, 3, 1, 2, 8, 1, 2, 3, 1], dtype=np.int32)
+    mask = np.array([0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1], dtype=np.uint8)
+    got = repeating_tokens(ids, mask, 3)
+    # turn 1 (1..8): windows ending at 6, 7, 8 ((1,2,3), (2,3,1), (3,1,2)) were seen at 3, 4, 5;
+    # turn 2 (10..13) starts afresh: its (1,2,3) at 12 is its first; (2,3,1) at 13 too
+    assert np.flatnonzero(got).tolist() == [6, 7, 8]
+    assert not repeating_tokens(ids, np.zeros_like(mask), 3).any()  # prompts are never counted
+    assert repeating_tokens(ids, mask, 20).sum() == 0  # a window longer than any turn
+
+
+def _loop_campaign(tmp_path: Path, tok, **build):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    cfg = config_from_dict({
+        "campaign": {"dir": str(tmp_path / "camp"), "seed": 1},
+        "datasets": [{"name": "d", "path": str(prompts)}],
+        "build": {"val_fraction": 0.0, "max_length": 256, "draft_vocab_size": 50, "repetition_ngram": 4, **build},
+    })
+    camp = Campaign.create_or_open(cfg)
+    recs = [_qa("d/loop", "Count", "one two three " * 12 + "done."),
+            _qa("d/plain", "Name a fruit", "A pear, ripe and sweet, picked this morning."),
+            _qa("d/tail", "List", "red green blue cyan " + "stop now " * 2)]
+    d = camp.dataset_dir("d")
+    d.mkdir(parents=True)
+    (d / "records.jsonl").write_text("".join(_line(r) for r in recs))
+    return cfg, camp, {r["id"]: r for r in recs}
+
+
+@pytest.mark.parametrize("policy", ["keep", "mask", "drop"])
+def test_build_counts_masks_or_drops_greedy_loops(tmp_path, tok, policy, caplog):
+    """A looping answer: counted in the manifest under every policy (a warning under keep); mask sets
+    its later copies' loss_mask to 0 and keeps the ids; drop excludes it with reason "repetitive"."""
+    from specops.build import repeating_tokens
+
+    cfg, camp, recs = _loop_campaign(tmp_path, tok, repetition=policy)
+    with caplog.at_level("WARNING", logger="specops.build"):
+        m = run_build(cfg)
+    rendered = {rid: render_and_mask(tok, r, eos_ids=[IM_END]) for rid, r in recs.items()}
+    rep = {rid: repeating_tokens(np.array(i, dtype=np.int32), np.array(k, dtype=np.uint8), 4)
+           for rid, (i, k) in rendered.items()}
+    assert rep["d/loop"].sum() > 0.5 * sum(rendered["d/loop"][1]) and rep["d/plain"].sum() == 0
+    r = m["repetition"]
+    assert (r["policy"], r["ngram"], r["max_share"]) == (policy, 4, 0.3)
+    kept = ["d/plain", "d/tail"] + ([] if policy == "drop" else ["d/loop"])
+    assert r["loss_tokens"] == sum(sum(rendered[k][1]) for k in kept)
+    assert r["repeating_tokens"] == sum(int(rep[k].sum()) for k in kept)
+    assert r["samples_over_max_share"] == (0 if policy == "drop" else 1)
+    assert r["dropped_samples"] == m["exclusions"]["repetitive"] == (1 if policy == "drop" else 0)
+    assert ("repeat a 4-token window" in caplog.text) == (policy == "keep")
+    t, rows = _read_split(camp.root / "build", "train")
+    by_id = {row["id"]: i for i, row in enumerate(rows)}
+    assert set(by_id) == set(kept)
+    off = t["offsets"]
+    for rid in kept:
+        i = by_id[rid]
+        ids, mask = t["input_ids"][off[i]:off[i + 1]], t["loss_mask"][off[i]:off[i + 1]]
+        want_ids, want_mask = rendered[rid]
+        assert ids.tolist() == want_ids  # the text is never changed
+        want = np.array(want_mask, dtype=np.uint8)
+        if policy == "mask":
+            want[rep[rid]] = 0
+        assert mask.tolist() == want.tolist()
+    if policy == "mask":
+        assert r["masked_tokens"] == r["repeating_tokens"] > 0
+        assert m["tokens"]["train"]["trainable"] == r["loss_tokens"] - r["masked_tokens"]
+    if policy == "drop":
+        row = [json.loads(x) for x in (camp.root / "build" / "excluded.jsonl").read_text().splitlines()]
+        assert row == [{"id": "d/loop", "dataset": "d", "reason": "repetitive",
+                        "detail": f"{int(rep['d/loop'].sum())} of {sum(rendered['d/loop'][1])} loss tokens "
+                                  "repeat a 4-token window of their turn"}]
+
+
+def test_bad_repetition_settings_are_config_errors(tmp_path, tok):
+    for i, (bad, match) in enumerate((({"repetition_ngram": 1}, "build.repetition_ngram"),
+                                      ({"repetition_max_share": 0.0}, "build.repetition_max_share"),
+                                      ({"repetition_max_share": 1.5}, "build.repetition_max_share"))):
+        cfg, _, _ = _loop_campaign(tmp_path / f"c{i}", tok, **bad)
+        with pytest.raises(ConfigError, match=match):
+            run_build(cfg)
+    with pytest.raises(ConfigError, match="build.repetition"):
+        config_from_dict({"datasets": [{"name": "a", "source": "gsm8k"}], "build": {"repetition": "trim"}})
+
+
+def test_build_line_reports_coverage_and_repetition(tmp_path, tok):
+    from specops.cli import _build_line
+
+    cfg, _, _ = _loop_campaign(tmp_path, tok, repetition="mask")
+    m = run_build(cfg)
+    line = _build_line(m)
+    assert line.startswith("build done: read 3, kept 3")
+    assert f"draft-vocab coverage {m['draft_vocab']['coverage_train_pct']:.1f}%" in line
+    assert f"loss tokens repeating a 4-gram of their turn {100 * m['repetition']['share']:.1f}% (mask)" in line

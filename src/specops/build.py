@@ -69,6 +69,7 @@ REASONS = (
     "too_long",  # longer than max_length under truncation = "drop"
     "no_trainable_tokens",  # nothing masked (after truncation)
     "missing_reasoning",  # reasoning expected (see `reasoning_required`) but empty
+    "repetitive",  # under repetition = "drop": more than repetition_max_share of loss tokens repeat
     "duplicate",  # the same rendered conversation as an earlier sample (dedupe)
 )
 
@@ -455,6 +456,8 @@ class _Sample:
     demoted_turns: int
     truncated: bool  # cut to max_length
     finish_length: bool  # a turn stopped by max_tokens (kept, flagged)
+    loss_tokens: int = 0  # before repetition masking
+    repeating: int = 0  # loss tokens that repeat an n-gram of their turn (repeating_tokens)
 
 
 @dataclass
@@ -471,6 +474,32 @@ class _DatasetStats:
     mask_source: Counter = field(default_factory=Counter)
     turns_demoted_to_context: int = 0
     reasoning_required: bool = False
+    loss_tokens: int = 0  # kept samples' loss tokens before repetition masking
+    repeating: int = 0  # of those, the ones repeating an n-gram of their turn
+    over_max_share: int = 0  # kept samples whose repeating share exceeds repetition_max_share
+
+
+# A build whose kept loss tokens repeat this much under repetition = "keep" gets a warning.
+REPETITION_WARN_SHARE = 0.10
+
+
+def repeating_tokens(ids: np.ndarray, mask: np.ndarray, n: int) -> np.ndarray:
+    """bool [T]: loss tokens (mask 1) whose n tokens ending at them occurred earlier in the same
+    run of loss tokens (one generated turn). The first occurrence of a loop stays False; every
+    later copy is True, so masking them keeps the text once."""
+    out = np.zeros(len(ids), dtype=bool)
+    m = np.concatenate(([0], mask.astype(np.int8), [0]))
+    edges = np.flatnonzero(np.diff(m))  # run starts and stops, alternating
+    for start, stop in zip(edges[::2], edges[1::2]):
+        seen: set[bytes] = set()
+        run = np.ascontiguousarray(ids[start:stop])
+        for i in range(n - 1, len(run)):
+            key = run[i - n + 1:i + 1].tobytes()
+            if key in seen:
+                out[start + i] = True
+            else:
+                seen.add(key)
+    return out
 
 
 def check_build_section(b: BuildSection) -> None:
@@ -480,6 +509,10 @@ def check_build_section(b: BuildSection) -> None:
         raise ConfigError(f"build.max_length: must be > 0, got {b.max_length}")
     if b.draft_vocab_size < 1:
         raise ConfigError(f"build.draft_vocab_size: must be > 0, got {b.draft_vocab_size}")
+    if b.repetition_ngram < 2:
+        raise ConfigError(f"build.repetition_ngram: must be >= 2, got {b.repetition_ngram}")
+    if not 0 < b.repetition_max_share <= 1:
+        raise ConfigError(f"build.repetition_max_share: must be in (0, 1], got {b.repetition_max_share}")
 
 
 def _target_info(cfg: Config) -> tuple[Path, Path, int, set[int]]:
@@ -632,8 +665,16 @@ def _build(cfg: Config, campaign: Campaign, tmp: Path) -> dict[str, Any]:
                     exclude(st, rid, ds, "no_trainable_tokens")
                     continue
                 finish_length = any(t.get("finish_reason") == "length" for _, t in generated_turns(rec))
+                rep = repeating_tokens(ids, mask, b.repetition_ngram)
+                n_loss, n_rep = int(mask.sum()), int(rep.sum())
+                if b.repetition == "drop" and n_rep > b.repetition_max_share * n_loss:
+                    exclude(st, rid, ds, "repetitive",
+                            f"{n_rep} of {n_loss} loss tokens repeat a {b.repetition_ngram}-token window of their turn")
+                    continue
+                if b.repetition == "mask" and n_rep:
+                    mask = np.where(rep, 0, mask).astype(np.uint8)
                 cands.append(_Sample(rid, ds, ids, mask, digest, lacks, rec.get("reasoning_mode") == "save",
-                                     r.source, r.demoted_turns, truncated, finish_length))
+                                     r.source, r.demoted_turns, truncated, finish_length, n_loss, n_rep))
             st.torn_last_line = info["torn_last_line"]
             inputs.append({"dataset": ds, "path": str(path.relative_to(root)), "bytes": info["bytes"],
                            "lines": info["lines"], "torn_last_line": info["torn_last_line"]})
@@ -658,6 +699,9 @@ def _build(cfg: Config, campaign: Campaign, tmp: Path) -> dict[str, Any]:
                     st.turns_demoted_to_context += s.demoted_turns
                     st.truncated += s.truncated
                     st.finish_length += s.finish_length
+                    st.loss_tokens += s.loss_tokens
+                    st.repeating += s.repeating
+                    st.over_max_share += s.repeating > b.repetition_max_share * s.loss_tokens
             log.info("build: %s: %d read, %d kept", ds, st.read, st.kept)
         excluded_f.flush()
         os.fsync(excluded_f.fileno())
@@ -693,6 +737,24 @@ def _build(cfg: Config, campaign: Campaign, tmp: Path) -> dict[str, Any]:
     excluded = Counter()
     for st in stats.values():
         excluded.update(st.excluded)
+    loss_tokens = sum(st.loss_tokens for st in stats.values())
+    repeating = sum(st.repeating for st in stats.values())
+    repetition = {
+        "policy": b.repetition, "ngram": b.repetition_ngram, "max_share": b.repetition_max_share,
+        "definition": f"a loss token repeats when the {b.repetition_ngram} tokens ending at it occurred earlier "
+                      "in the same generated turn (greedy loops); counted over kept samples before masking",
+        "loss_tokens": loss_tokens, "repeating_tokens": repeating,
+        "share": round(repeating / loss_tokens, 4) if loss_tokens else None,
+        "samples_over_max_share": sum(st.over_max_share for st in stats.values()),
+        "masked_tokens": repeating if b.repetition == "mask" else 0,
+        "dropped_samples": excluded["repetitive"],
+    }
+    if b.repetition == "keep" and loss_tokens and repeating > REPETITION_WARN_SHARE * loss_tokens:
+        log.warning("build: %.0f%% of the kept loss tokens repeat a %d-token window of their own turn (greedy "
+                    "loops; %d samples above %.0f%%): training learns to copy them and its val accuracy overstates "
+                    "acceptance. Consider build.repetition = \"mask\" or \"drop\", or generating with sampling",
+                    100 * repeating / loss_tokens, b.repetition_ngram, repetition["samples_over_max_share"],
+                    100 * b.repetition_max_share)
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "specops_version": __version__,
@@ -738,6 +800,7 @@ def _build(cfg: Config, campaign: Campaign, tmp: Path) -> dict[str, Any]:
                 "excluded": dict(st.excluded),
                 "finish_length_kept": st.finish_length,
                 "truncated": st.truncated,
+                "repeating_share": round(st.repeating / st.loss_tokens, 4) if st.loss_tokens else None,
                 "with_reasoning": st.with_reasoning,
                 "reasoning_required": st.reasoning_required,
                 "mask_source": dict(st.mask_source),
@@ -755,6 +818,7 @@ def _build(cfg: Config, campaign: Campaign, tmp: Path) -> dict[str, Any]:
         "truncation": {"policy": b.truncation, "max_length": b.max_length,
                        "samples_truncated": sum(st.truncated for st in stats.values()),
                        "samples_dropped": excluded["too_long"]},
+        "repetition": repetition,
         "draft_vocab": {
             "draft_vocab_size": int(d2t.shape[0]),
             "requested": b.draft_vocab_size,

@@ -183,8 +183,13 @@ def _cmd_build(args: argparse.Namespace) -> int:
 def _build_line(m: dict) -> str:
     c = m.get("counts", {})
     keys = ", ".join(f"{k} {v}" for k, v in c.items() if isinstance(v, int))
-    cov = m.get("draft_vocab", {}).get("coverage_train") if isinstance(m.get("draft_vocab"), dict) else None
-    return f"build done: {keys}" + (f"; draft-vocab coverage {cov:.1%}" if isinstance(cov, float) else "")
+    dv = m.get("draft_vocab") if isinstance(m.get("draft_vocab"), dict) else {}
+    cov = dv.get("coverage_train_pct")  # percent
+    rep = m.get("repetition") if isinstance(m.get("repetition"), dict) else {}
+    line = f"build done: {keys}" + (f"; draft-vocab coverage {cov:.1f}%" if isinstance(cov, (int, float)) else "")
+    if isinstance(rep.get("share"), (int, float)):
+        line += f"; loss tokens repeating a {rep['ngram']}-gram of their turn {100 * rep['share']:.1f}% ({rep['policy']})"
+    return line
 
 
 def _cmd_extract(args: argparse.Namespace) -> int:

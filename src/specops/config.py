@@ -115,6 +115,13 @@ class BuildSection:
     # Exclude "save"-mode records with empty reasoning: None = only in datasets where at least half
     # of the records carry reasoning; true = always; false = never.
     require_reasoning: bool | None = None
+    # Greedy loops in generated turns: a loss token "repeats" when the repetition_ngram tokens ending
+    # at it already occurred earlier in the same turn. keep: train on them (counted in the manifest,
+    # a warning above 10 % of loss tokens); mask: loss_mask 0 on repeating tokens (the text stays as
+    # context); drop: exclude samples whose repeating share of loss tokens exceeds repetition_max_share.
+    repetition: Literal["keep", "mask", "drop"] = "keep"
+    repetition_ngram: int = 16
+    repetition_max_share: float = 0.3
 
 
 @dataclass(kw_only=True)
