@@ -76,7 +76,8 @@ def test_variant_entries_equal_to_the_main_run_change_nothing(quality):
 def test_h200_main_run_is_the_anchors_recipe_and_the_variants_probe_it(quality):
     """Session 10: speculators' recipe (Muon, frozen lm_head, linear schedule to 0, clip 1.0, weight
     decay 0.1) in our trainer beat our earlier recipe on val (simulated tau 4.07 vs 2.60), so it is the
-    main run; session 11's sweep chose 2,048 tokens/step for it. The variants try twice the lr and the
+    main run; session 11's sweep chose 2,048 tokens/step for it. The variants try the loss without
+    greedy loops, twice the lr and the
     loss on the prompt on top of it, half the tokens per step again, the anchor's 8,192 tokens/step,
     each half of the recipe alone (the frozen head with AdamW + cosine, Muon with a trained head),
     equal TTT step weights and row packing. Every variant writes a train section the trainer accepts."""
@@ -89,6 +90,8 @@ def test_h200_main_run_is_the_anchors_recipe_and_the_variants_probe_it(quality):
             **quality.SPECULATORS_RECIPE}
     got = quality.sweep_variants(h200)
     trains = [{**main, **{k: v for k, v in x.items() if k not in quality._NOT_TRAIN}} for x in got]
+    assert [t.get("mask_repetition") for t in trains] == [True] + [None] * 8
+    trains = trains[1:]
     assert [t["batch_tokens"] for t in trains] == [2048, 2048, 1024, 8192, 2048, 2048, 2048, 2048]
     assert [t["lr"] for t in trains] == [2e-3] + [1e-3] * 7
     assert [t.get("loss_on_prompt") for t in trains] == [None, True] + [None] * 6
@@ -97,6 +100,7 @@ def test_h200_main_run_is_the_anchors_recipe_and_the_variants_probe_it(quality):
     assert (trains[5]["optimizer"], trains[5]["freeze_lm_head"]) == ("muon", False)
     assert [t.get("loss_decay") for t in trains] == [None] * 6 + [1.0, None]
     assert trains[7]["pack_rows"] == 2048
+    assert h200["sweep_by"] == "sim_tau_head"
     for t in trains:
         assert TrainSection(**t).cuda_graphs == "auto"
     assert all(len(x["name"]) < 200 and "/" not in x["name"] for x in got)  # a file name each
@@ -121,3 +125,15 @@ def test_collect_reports_the_rate_at_the_anchors_tokens_per_step(quality, tmp_pa
     quality.write_result(tmp_path, "lr-sweep", sweep)
     train = quality.phase_collect(tmp_path)["train"]
     assert train["ours_same_batch"] is None and "ratio_same_batch" not in train
+
+
+def test_the_sweep_chooses_by_the_eval_window_when_every_run_has_it(quality):
+    runs = {"main": {"sim_tau": 4.0, "sim_tau_head": 2.5, "main": True},
+            "loops-masked": {"sim_tau": 3.9, "sim_tau_head": 2.7},
+            "skipped": {"skipped": "sweep_start_by_s"},
+            "tie": {"sim_tau": 3.0, "sim_tau_head": 2.7}}
+    best, by = quality.choose_run(runs, "sim_tau_head")
+    assert (best, by) == (runs["loops-masked"], "sim_tau_head")  # the earlier of two equal heads
+    assert quality.choose_run(runs, None) == (runs["main"], "sim_tau")
+    runs["old"] = {"sim_tau": 4.5}  # a run without the head figures: everyone is judged by sim_tau
+    assert quality.choose_run(runs, "sim_tau_head") == (runs["old"], "sim_tau")

@@ -993,3 +993,61 @@ def test_a_run_of_few_optimizer_steps_is_warned_about(tiny, tmp_path, caplog):
         run_train(load_config(tmp_path / "set.toml"), camp)
     assert "few optimizer steps" not in caplog.text
     assert json.loads((Path(camp.root) / "drafter" / "manifest.json").read_text())["train"]["warnings"] == []
+
+
+def test_turn_head_keeps_the_first_tokens_of_each_turn():
+    from specops.drafter.train import turn_head
+
+    m = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
+    assert turn_head(m, 2).int().tolist() == [0, 1, 1, 0, 0, 1, 1, 0, 1, 1, 0, 0]
+    assert turn_head(m, 100).equal(m) and not turn_head(m, 0).any()
+    assert turn_head(torch.ones(5, dtype=torch.bool), 3).int().tolist() == [1, 1, 1, 0, 0]
+
+
+def test_val_reports_the_first_eval_tokens_of_each_turn_too(tiny, tmp_path):
+    """Each val row also holds acc/tau/positions over the first eval.max_new_tokens tokens of every
+    generated turn (what eval measures); with a window longer than any turn they equal the whole."""
+    common = {**BASE, "total_steps": 2, "batch_tokens": 96, "eval_every": 2, "checkpoint_every": 1000}
+    rows = {}
+    for name, n in (("long", 10_000), ("short", 3)):
+        camp = seed_campaign(tiny, tmp_path, common, name=name)
+        cfg_path = tmp_path / f"{name}.toml"
+        cfg_path.write_text(cfg_path.read_text() + f"[eval]\nmax_new_tokens = {n}\n")
+        run_train(load_config(cfg_path), camp)
+        rows[name] = metrics(camp.root, "val")[-1]
+    long, short = rows["long"], rows["short"]
+    assert long["head_tokens"] == 10_000 and short["head_tokens"] == 3
+    assert long["acc_head"] == long["acc"] and long["positions_head"] == long["positions"]
+    assert long["tau_head"] == long["tau"]
+    # 4 val samples, one turn each: step k counts slots whose target x[t+2+k] lies in the first 3
+    # tokens of the turn, so at most 3 per sample at step 0, and the whole-turn figures are unchanged
+    assert short["positions"] == long["positions"] and short["acc"] == long["acc"]
+    assert 0 < short["positions_head"][0] <= 3 * 4 < long["positions"][0]
+
+
+def test_mask_repetition_trains_without_greedy_loops_and_validates_as_before(tiny, tmp_path):
+    """train.mask_repetition: the training loss skips tokens repeating a build.repetition_ngram
+    window of their turn (the tiny target's greedy sequences loop); val positions are unchanged."""
+    import numpy as np
+
+    from specops.build import repeating_tokens
+    from specops.drafter.train import FeatureSplit, without_repeats
+
+    common = {**BASE, "total_steps": 4, "batch_tokens": 96, "eval_every": 4, "checkpoint_every": 1000}
+    a = seed_campaign(tiny, tmp_path, common, name="a")
+    b = seed_campaign(tiny, tmp_path, {**common, "mask_repetition": True}, name="b")
+    run_train(load_config(tmp_path / "a.toml"), a)
+    run_train(load_config(tmp_path / "b.toml"), b)
+    ta, tb = metrics(a.root), metrics(b.root)
+    assert [r["tokens"] for r in ta] == [r["tokens"] for r in tb] and ta[0]["loss"] != tb[0]["loss"]
+    assert metrics(a.root, "val")[-1]["positions"] == metrics(b.root, "val")[-1]["positions"]
+    split = FeatureSplit(a.root / "features" / "train")
+    plain = [split.get(i) for i in range(len(split))]
+    split.mask_fn = without_repeats(4)
+    masked = [split.get(i) for i in range(len(split))]
+    dropped = 0
+    for p, q in zip(plain, masked):
+        rep = repeating_tokens(p.input_ids.numpy().astype(np.int32), p.loss_mask.numpy().astype(np.uint8), 4)
+        assert q.loss_mask.equal(p.loss_mask & ~torch.from_numpy(rep))
+        dropped += int(rep.sum())
+    assert dropped > 0  # the tiny model's greedy continuations do loop

@@ -93,7 +93,14 @@ SCALES: dict[str, dict[str, Any]] = {
         # per step again (1,024), 8,192 (our train rate at the anchor's batch), then the ablations
         # sessions 10-11 did not reach.
         lr=1e-3, warmup=60, batch_tokens=2048, train=SPECULATORS_RECIPE,
-        sweep=({"lr": 2e-3, "timeout_s": 280},
+        # Session 11 also found 56 % of the loss tokens in greedy loops (build manifest `repetition`)
+        # and the val pass overstating acceptance (step-0 acc 0.67 on a response's first 128 tokens,
+        # 0.97 past 384; bench/quality/eval_on_val.py): the sweep now chooses by the val pass over
+        # the first eval_new_tokens tokens of each turn (sweep_by), and its first variant trains
+        # without the loops (train.mask_repetition).
+        sweep_by="sim_tau_head",
+        sweep=({"mask_repetition": True, "timeout_s": 280},
+               {"lr": 2e-3, "timeout_s": 280},
                {"loss_on_prompt": True, "timeout_s": 280},
                {"batch_tokens": 1024, "warmup_steps": 120, "timeout_s": 400},
                {"batch_tokens": 8192, "warmup_steps": 12, "timeout_s": 200},
@@ -264,7 +271,9 @@ def base_config(work: Path, data: Path, model: str, s: dict[str, Any]) -> dict[s
         "train": {"ttt_steps": K, "epochs": s["epochs"], "lr": s["lr"], "warmup_steps": s["warmup"],
                   "batch_tokens": s["batch_tokens"], "log_every": s["log_every"], "eval_every": s["eval_every"],
                   "checkpoint_every": s["checkpoint_every"], **main_train(s)},
-        "eval": {"datasets": eval_entries(data)[:1], "limit_per_dataset": 1, "k": K},
+        # max_new_tokens: the evaluations' window, which the trainer's val pass also reports (tau_head)
+        "eval": {"datasets": eval_entries(data)[:1], "limit_per_dataset": 1, "k": K,
+                 "max_new_tokens": s["eval_new_tokens"]},
     }
 
 
@@ -368,7 +377,8 @@ def sweep_variants(s: dict[str, Any]) -> list[dict[str, Any]]:
 # what a sweep variant may change: train.* keys (the same data and epochs always) and trainer switches
 SWEEP_KEYS = {"lr", "batch_tokens", "loss_decay", "warmup_steps", "min_lr_ratio", "weight_decay",
               "norm_before_residual", "max_grad_norm", "cuda_graphs", "graph_bucket", "optimizer", "freeze_lm_head",
-              "lr_schedule", "pack_rows", "loss_on_prompt", "init_norm_from_target", "env", "timeout_s"}
+              "lr_schedule", "pack_rows", "loss_on_prompt", "init_norm_from_target", "mask_repetition", "env",
+              "timeout_s"}
 _NOT_TRAIN = ("name", "env", "timeout_s")  # variant keys that are not train.* overrides
 
 
@@ -401,7 +411,8 @@ def _sweep_run(camp: Path, variant: dict[str, Any]) -> dict[str, Any]:
     vals = [r for r in rows if r.get("split") == "val"]
     if not vals:
         raise SystemExit(f"sweep: no val line in {camp / 'drafter' / 'metrics.jsonl'} (no val split?)")
-    val = {k: vals[-1][k] for k in ("step", "loss", "step_loss", "acc", "tau", "positions") if k in vals[-1]}
+    val = {k: vals[-1][k] for k in ("step", "loss", "step_loss", "acc", "tau", "positions", "head_tokens", "acc_head",
+                                    "tau_head", "positions_head") if k in vals[-1]}
     rate = specops_rate_of(camp)
     ph = json.loads((camp / "manifest.json").read_text())["phases"]
     t = datetime.datetime.fromisoformat
@@ -410,6 +421,7 @@ def _sweep_run(camp: Path, variant: dict[str, Any]) -> dict[str, Any]:
         raise SystemExit(f"sweep: no vllm export under {export}")
     return {**{k: x for k, x in variant.items() if k != "name"}, "variant": variant["name"], "campaign": str(camp),
             "val": val, "sim_tau": _simulated_tau(val["acc"]),
+            "sim_tau_head": _simulated_tau(val["acc_head"]) if val.get("acc_head") else None,
             "train_tokens_per_s": rate.get("tokens_per_s"), "train_tokens_per_s_all": rate.get("tokens_per_s_all"),
             "train_steps": rate.get("steps"), "train_elapsed_s": rate.get("elapsed_s"),
             "wall_s": (t(ph["export"]["done_at"]) - t(ph["train"]["running_at"])).total_seconds(),
@@ -417,6 +429,18 @@ def _sweep_run(camp: Path, variant: dict[str, Any]) -> dict[str, Any]:
             # train.cuda_graphs: shapes captured, replays, eager steps, capture seconds, why off if it went off
             "cuda_graphs": (((read_json(camp / "drafter" / "manifest.json", {}).get("train") or {}).get("summary") or {})
                             .get("cuda_graphs"))}
+
+
+def choose_run(runs: dict[str, dict[str, Any]], by: str | None) -> tuple[dict[str, Any], str]:
+    """The sweep's winner among the runs with a result (skipped ones have none): the highest `by`
+    (default sim_tau), ties to the earlier run (the main one first). A key some run lacks (e.g.
+    sim_tau_head from a trainer before it) falls back to sim_tau for all, so every run is judged alike."""
+    ok = [r for r in runs.values() if r.get("sim_tau") is not None]
+    by = by or "sim_tau"
+    if by != "sim_tau" and any(r.get(by) is None for r in ok):
+        log(f"lr-sweep: not every run reports {by}; choosing by sim_tau")
+        by = "sim_tau"
+    return max(ok, key=lambda r: round(r[by], 9)), by  # max() keeps the first of equals
 
 
 def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_drafter: Path | None = None) -> None:
@@ -478,8 +502,7 @@ def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_dra
             except Exception:  # noqa: BLE001 - no metrics written yet
                 pass
             failed.append(key)
-    ok = [r for r in runs.values() if r.get("sim_tau") is not None]  # skipped variants have none
-    best = max(ok, key=lambda r: round(r["sim_tau"], 9))  # max() keeps the first of equals: main, then order
+    best, by = choose_run(runs, s.get("sweep_by"))
     link, tmp = work / "ours-drafter", work / ".ours-drafter.tmp"
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(os.path.relpath(Path(best["export"]).parent, work), target_is_directory=True)
@@ -487,10 +510,13 @@ def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_dra
     write_result(work, "lr-sweep", {
         "done": not failed, "variants": [main["name"], *(v["name"] for v in extra)], "runs": runs, "failed": failed,
         "chosen": best["variant"], "chosen_lr": best["lr"], "chosen_sim_tau": best["sim_tau"],
+        "chosen_sim_tau_head": best.get("sim_tau_head"),
         "ours_drafter": str(link / "vllm"), "winner_export": best["export"],
-        "chosen_by": "max simulated tau (1 + sum_k prod_{i<=k} acc_i) of the end-of-run val pass; ties -> main, then order"})
-    log(f"lr-sweep: chosen {best['variant']} (val sim tau " + ", ".join(
-        f"{k}: {r['sim_tau']:.4f}" for k, r in runs.items() if r.get("sim_tau") is not None) + f"); {link} -> {best['export']}")
+        "chosen_by": f"max {by}: the simulated tau (1 + sum_k prod_{{i<=k}} acc_i) of the end-of-run val pass"
+                     + (" over the first eval_new_tokens tokens of each turn" if by == "sim_tau_head" else "")
+                     + "; ties -> main, then order"})
+    log(f"lr-sweep: chosen {best['variant']} by {by} (" + ", ".join(
+        f"{k}: {r[by]:.4f}" for k, r in runs.items() if r.get(by) is not None) + f"); {link} -> {best['export']}")
     if failed:
         raise SystemExit(f"lr-sweep: {', '.join(failed)} failed; chosen among the rest: {best['variant']}")
 
@@ -810,7 +836,7 @@ def main() -> None:
                     help="override one entry of the scale (e.g. lr=1e-3, epochs=2, eval_limit=40); the value is "
                          "parsed as a Python literal, else kept as a string")
     args = ap.parse_args()
-    s = {"lr_sweep": (), "sweep": (), "sweep_timeout_s": None, "sweep_start_by_s": None, "train": {},
+    s = {"lr_sweep": (), "sweep": (), "sweep_timeout_s": None, "sweep_start_by_s": None, "sweep_by": None, "train": {},
          **SCALES[args.scale]}
     for kv in args.set:
         key, sep, val = kv.partition("=")

@@ -221,6 +221,10 @@ class TrainSection:
     # distribution there: more signal from the same samples); validation, like evaluation, counts
     # only the tokens the target generated.
     loss_on_prompt: bool = False
+    # The training loss without the tokens that repeat a build.repetition_ngram-token window of their
+    # own turn (greedy loops, counted by the build), computed as samples load: no rebuild or extract.
+    # Validation still counts every generated token.
+    mask_repetition: bool = False
     max_grad_norm: float = 1.0
     weight_decay: float = 0.1  # on weight matrices only, never on norms
     log_every: int = 10

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -191,12 +192,50 @@ def _usable(loss_mask: torch.Tensor) -> bool:
     return loss_mask.numel() >= 3 and bool(loss_mask[2:].any())
 
 
-class FeatureSplit:
-    """features/<split>/: index.json + shard-*.safetensors (DESIGN "features/"), read lazily.
-    all_positions (train.loss_on_prompt, the train split only): each sample's loss mask is all ones;
-    which samples are used still follows the stored mask."""
+MaskFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, loss mask) -> loss mask
+
+
+def turn_head(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n tokens of each run of loss tokens (each generated turn): the window `eval`
+    measures (eval.max_new_tokens new tokens per turn)."""
+    m = mask.bool()
+    idx = torch.arange(m.numel())
+    starts = m & ~torch.cat([torch.zeros(1, dtype=torch.bool), m[:-1]])
+    run_start = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), 0).values
+    return m & (idx - run_start < n)
+
+
+def without_repeats(ngram: int) -> MaskFn:
+    """train.mask_repetition: the loss mask without the tokens that repeat an ngram-token window of
+    their own turn (build.repeating_tokens: greedy loops; the first occurrence stays)."""
+    import numpy as np
+
+    from ..build import repeating_tokens
+
+    def fn(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        rep = repeating_tokens(ids.numpy().astype(np.int32), mask.numpy().astype(np.uint8), ngram)
+        return mask & ~torch.from_numpy(rep)
+
+    return fn
+
+
+class _Masks:
+    """How a split turns a sample's stored loss mask into the one it hands out. all_positions
+    (train.loss_on_prompt, the train split only): all ones. mask_fn, applied after: e.g. the first
+    tokens of each turn (the val pass's head) or the mask without greedy loops (train.mask_repetition).
+    Which samples are used still follows the stored mask."""
 
     all_positions = False
+    mask_fn: MaskFn | None = None
+
+    def _mask(self, ids: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+        m = torch.ones_like(stored, dtype=torch.bool) if self.all_positions else stored.bool()
+        return self.mask_fn(ids, m) if self.mask_fn is not None else m
+
+
+class FeatureSplit(_Masks):
+    """features/<split>/: index.json + shard-*.safetensors (DESIGN "features/"), read lazily; loss
+    masks as _Masks says."""
 
     def __init__(self, split_dir: Path, *, max_seq_len: int | None = None, out_dtype: torch.dtype = torch.float32):
         from safetensors import safe_open
@@ -247,19 +286,14 @@ class FeatureSplit:
         if self.fp8:
             aux = aux.float() * h.get_slice("aux_scale")[a:b].float()[..., None]
             final = final.float() * h.get_slice("final_scale")[a:b].float()[..., None]
-        return Sample(
-            h.get_slice("input_ids")[a:b].long(),
-            torch.ones(b - a, dtype=torch.bool) if self.all_positions else h.get_slice("loss_mask")[a:b].bool(),
-            aux.to(self.out_dtype),
-            final.to(self.out_dtype),
-        )
+        ids = h.get_slice("input_ids")[a:b].long()
+        return Sample(ids, self._mask(ids, h.get_slice("loss_mask")[a:b]), aux.to(self.out_dtype),
+                      final.to(self.out_dtype))
 
 
-class TokenSplit:
-    """build/<split>.safetensors (input_ids, loss_mask, offsets) for online mode (all_positions: as
-    FeatureSplit's)."""
-
-    all_positions = False
+class TokenSplit(_Masks):
+    """build/<split>.safetensors (input_ids, loss_mask, offsets) for online mode; loss masks as
+    _Masks says."""
 
     def __init__(self, path: Path, *, max_seq_len: int | None = None):
         from safetensors.torch import load_file
@@ -286,7 +320,7 @@ class TokenSplit:
 
     def get(self, i: int) -> Sample:
         a, b = self.items[i]
-        return Sample(self.ids[a:b], torch.ones(b - a, dtype=torch.bool) if self.all_positions else self.mask[a:b])
+        return Sample(self.ids[a:b], self._mask(self.ids[a:b], self.mask[a:b]))
 
 
 def bucketed(lengths: list[int], bucket: int) -> list[int]:
@@ -1053,8 +1087,18 @@ class _Trainer:
             self.inputs = {"build": str(bdir)}
         # train.loss_on_prompt: the training loss counts every token, the prompt's too; val never does
         self.train_split.all_positions = bool(tc.loss_on_prompt)
+        if tc.mask_repetition:  # greedy loops out of the training loss; val unchanged
+            self.train_split.mask_fn = without_repeats(cfg.build.repetition_ngram)
         if self.val_split is not None and len(self.val_split) == 0:
             self.val_split = None
+        # The val pass again on the first eval.max_new_tokens tokens of each turn: the window eval
+        # measures. Past it, greedy loops make tokens easy (session 11: step-0 acc 0.67 on a
+        # response's first 128 tokens, 0.97 past 384), so the whole-turn figures overstate acceptance.
+        self.head_tokens = int(cfg.eval.max_new_tokens)
+        self.val_head_split = None
+        if self.val_split is not None:
+            self.val_head_split = copy.copy(self.val_split)
+            self.val_head_split.mask_fn = lambda ids, m, n=self.head_tokens: turn_head(m, n)
         if len(self.train_split) == 0:
             raise InputError("the train split has no usable sample (each needs >= 3 tokens and a trainable token)")
 
@@ -1216,13 +1260,21 @@ class _Trainer:
     # -------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any] | None:
+        """The val pass over every generated token, then over the first head_tokens of each turn
+        (acc_head, tau_head, positions_head)."""
         if not self.val_batches:
             return None
+        out = self._val_pass(self.val_split)
+        head = self._val_pass(self.val_head_split)
+        return {**out, "head_tokens": self.head_tokens, "acc_head": head["acc"], "tau_head": head["tau"],
+                "positions_head": head["positions"]}
+
+    def _val_pass(self, split) -> dict[str, Any]:
         K = self.tc.ttt_steps
         acc = torch.zeros(3, K, dtype=torch.float64, device=self.device)  # ce_sum, correct, count
         self.module.eval()
         for i in range(self.dist.rank, len(self.val_batches), self.dist.world):
-            batch = self.load_batch(self.val_split, self.val_batches[i])
+            batch = self.load_batch(split, self.val_batches[i])
             with self.autocast():
                 out = self.module(batch, teacher_targets(self.teacher, batch))
             acc += torch.stack([out.ce_sum.double(), out.correct.double(), out.count.double()])
@@ -1362,8 +1414,9 @@ class _Trainer:
                     val = self.evaluate()
                     if val is not None and rank0:
                         self.write_metrics({"step": step, "split": "val", **val, "time": now_iso()})
-                        log.info("val step %d: loss %.4f tau %.3f acc %s", step, val["loss"], val["tau"],
-                                 " ".join(f"{a:.3f}" for a in val["acc"]))
+                        log.info("val step %d: loss %.4f tau %.3f acc %s; first %d tokens of each turn: tau %.3f",
+                                 step, val["loss"], val["tau"], " ".join(f"{a:.3f}" for a in val["acc"]),
+                                 val["head_tokens"], val["tau_head"])
 
                 if step % tc.checkpoint_every == 0 or step == stop_at or stopping:
                     self.checkpoint(step, epoch, micro_in_epoch, tokens_seen)
