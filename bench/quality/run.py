@@ -94,8 +94,8 @@ SCALES: dict[str, dict[str, Any]] = {
         # sessions 10-11 did not reach.
         lr=1e-3, warmup=60, batch_tokens=2048, train=SPECULATORS_RECIPE,
         # Session 11 also found 56 % of the loss tokens in greedy loops (build manifest `repetition`)
-        # and the val pass overstating acceptance (step-0 acc 0.67 on a response's first 128 tokens,
-        # 0.97 past 384; bench/quality/eval_on_val.py): the sweep now chooses by the val pass over
+        # and the val pass overstating acceptance (step-0 acc 0.68 on a response's first 128 tokens,
+        # 0.95 past 384; bench/quality/eval_on_val.py): the sweep now chooses by the val pass over
         # the first eval_new_tokens tokens of each turn (sweep_by), and its first variant trains
         # without the loops (train.mask_repetition).
         sweep_by="sim_tau_head",

@@ -1092,8 +1092,8 @@ class _Trainer:
         if self.val_split is not None and len(self.val_split) == 0:
             self.val_split = None
         # The val pass again on the first eval.max_new_tokens tokens of each turn: the window eval
-        # measures. Past it, greedy loops make tokens easy (session 11: step-0 acc 0.67 on a
-        # response's first 128 tokens, 0.97 past 384), so the whole-turn figures overstate acceptance.
+        # measures. Past it, greedy loops make tokens easy (session 11: step-0 acc 0.68 on a
+        # response's first 128 tokens, 0.95 past 384), so the whole-turn figures overstate acceptance.
         self.head_tokens = int(cfg.eval.max_new_tokens)
         self.val_head_split = None
         if self.val_split is not None:
