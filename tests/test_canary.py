@@ -85,3 +85,25 @@ def test_wrong_model_is_refused_before_any_sample(tmp_path):
             run_generate(cfg_for(tmp_path, srv.url, model="kimi-k2"), progress=False)
         assert all(r["sample"] == "specops-health-probe" for r in srv.requests())
     assert "kimi-k2" in str(e.value) and "qwen3-8b" in str(e.value)
+
+
+def test_all_cut_samples_that_loop_are_called_a_degenerate_decode():
+    """Every canary sample at max_tokens: if every one loops (token ids, else words), the finding
+    says so and points at the template and sampling; long honest answers keep the max_tokens advice."""
+    from specops.generate.canary import loop_share
+
+    loop_ids = [5, 6, 7] + [11, 12, 13, 14, 15, 16, 17, 18] * 8
+    looping = [{"id": f"l{i}", "content": "x", "reasoning": None, "finish_reason": "length", "model": "m",
+                "turns": [{"index": 1, "token_ids": loop_ids}]} for i in range(2)]
+    words = [{"id": "w", "content": "the cat sat on the mat and " * 20, "reasoning": None,
+              "finish_reason": "length", "model": "m"}]
+    honest = [{"id": f"h{i}", "content": " ".join(f"w{i}x{j}" for j in range(80)), "reasoning": None,
+               "finish_reason": "length", "model": "m"} for i in range(2)]
+    assert loop_share(looping[0]) > 0.5 and loop_share(words[0]) > 0.8 and loop_share(honest[0]) == 0.0
+    for recs, loops in ((looping, True), (looping + words, True), (honest, False), (looping[:1] + honest, False)):
+        (p,) = check_records("ds", recs, [], reasoning_mode="off", expected_model="m", max_tokens=64)
+        assert p.startswith(f"ds: all {len(recs)} samples hit max_tokens=64")
+        assert ("every one loops" in p and "repetition penalty" in p) == loops
+        assert ("raise max_tokens (or set generate.expect_truncation" in p) == (not loops)
+    assert check_records("ds", looping, [], reasoning_mode="off", expected_model="m", max_tokens=64,
+                         expect_truncation=True) == []

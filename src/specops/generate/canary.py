@@ -3,7 +3,8 @@
 The canary runs the same runner on a scratch campaign (`<campaign>/canary/`, replaced each time)
 with `generate.canary_samples` prompts per dataset, then checks the records: content came back,
 reasoning was captured when reasoning mode is "save", no stray think markers are left in content,
-not every sample was cut by max_tokens, and the model id is the one expected. Any finding stops
+not every sample was cut by max_tokens (when all are, whether they loop: a degenerate decode, not
+long answers), and the model id is the one expected. Any finding stops
 the campaign before the full run, with the evidence.
 """
 
@@ -62,8 +63,16 @@ def check_records(name: str, records: list[dict[str, Any]], failed: list[dict[st
         )
     cut = [r for r in records if r.get("finish_reason") == "length"]
     if len(cut) == len(records) and not expect_truncation:
-        problems.append(f"{name}: all {len(records)} samples hit max_tokens={max_tokens} (finish_reason 'length'); "
-                        "raise max_tokens (or set generate.expect_truncation = true for a smoke run)")
+        loops = [r["id"] for r in cut if loop_share(r) > LOOP_SHARE]
+        if len(loops) == len(cut):
+            problems.append(
+                f"{name}: all {len(records)} samples hit max_tokens={max_tokens}, and every one loops (more than "
+                f"{LOOP_SHARE:.0%} of its tokens repeat a {LOOP_NGRAM}-token window it already wrote, e.g. {loops[0]}): "
+                "a degenerate decode, not long answers. Check the chat template and the sampling settings "
+                "(temperature, repetition penalty) before raising max_tokens")
+        else:
+            problems.append(f"{name}: all {len(records)} samples hit max_tokens={max_tokens} (finish_reason 'length'); "
+                            "raise max_tokens (or set generate.expect_truncation = true for a smoke run)")
     if expected_model:
         wrong = {r.get("model") for r in records} - {expected_model}
         if wrong:
@@ -71,6 +80,30 @@ def check_records(name: str, records: list[dict[str, Any]], failed: list[dict[st
     if failed:
         problems.append(f"{name}: {len(failed)} canary sample(s) failed: {failed[0]['error']}")
     return problems
+
+
+# A sample "loops" when more than LOOP_SHARE of its generated tokens repeat a LOOP_NGRAM-token
+# window it already wrote (the build's repetition measure, build.repeating_tokens).
+LOOP_NGRAM, LOOP_SHARE = 16, 0.3
+
+
+def loop_share(rec: dict[str, Any]) -> float:
+    """Share of a record's generated tokens that repeat a LOOP_NGRAM window of their own turn: on
+    the turns' token ids where the server returned them, else on the content's words."""
+    import numpy as np
+
+    from ..build import repeating_tokens
+
+    seqs = [t["token_ids"] for t in rec.get("turns") or [] if isinstance(t, dict) and isinstance(t.get("token_ids"), list)]
+    if not seqs:
+        words = (rec.get("content") or "").split()
+        seqs = [[hash(w) & 0x7FFFFFFF for w in words]]
+    total = sum(len(x) for x in seqs)
+    if not total:
+        return 0.0
+    rep = sum(int(repeating_tokens(np.asarray(x, dtype=np.int64), np.ones(len(x), dtype=np.uint8), LOOP_NGRAM).sum())
+              for x in seqs)
+    return rep / total
 
 
 def _has_tool_calls(rec: dict[str, Any]) -> bool:
