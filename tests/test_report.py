@@ -45,7 +45,7 @@ def make_campaign(root: Path, *, eval_toml: str, tau: float = 3.2, tps: float = 
         rows.append({"step": step, "split": "train", "loss": 4.0 / step, "acc": [0.5, 0.5, 0.5]})
         if step % 10 == 0:
             rows.append({"step": step, "split": "val", "loss": 4.0 / step + 0.2, "acc": [0.6] * 3,
-                         "tau": 1.5 + step / 30})
+                         "tau": 1.5 + step / 30, **({"tau_head": 1.2 + step / 30} if step > 10 else {})})
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     for name, offsets, tokens in (("a", [0, 10, 59, 125], [600, 600, 600, 1200]), ("b", [30], [300])):
         g = root / "generate" / name
@@ -81,7 +81,8 @@ def test_report_go_self_contained_with_plots(tmp_path):
         assert root.tag == "{http://www.w3.org/2000/svg}svg"  # the standalone files carry the namespace
     assert "| mtbench | 2 | 4 | 3.200 | 0.800 | 0.400 |" in text
     assert "| humaneval | 2 | 4 | 2.800 |" in text
-    assert "Last validation: step 30, simulated tau 2.500." in text
+    assert ("Last validation: step 30, simulated tau 2.500; over each turn's first eval.max_new_tokens tokens "
+            "(the window eval measures) 2.200." in text)
     assert "| a | 4 | 3000 |" in text and "| b | 1 | 300 |" in text  # the torn line is skipped
     assert "baseline 90 tok/s" in page  # the go/no-go line drawn on the throughput plot
 
@@ -182,6 +183,8 @@ def test_training_curves_simulate_tau_from_acc(tmp_path):
     assert len(c["train_loss"]) == 30 and len(c["val_loss"]) == 3
     assert c["train_tau"][0] == (1, pytest.approx(1 + 0.5 + 0.25 + 0.125))  # 1 + sum_k prod_{i<=k} acc_i
     assert c["val_tau"][-1] == (30, 2.5)  # val rows carry tau: taken as written
+    # tau_head from the rows that have it (trainers before session 11 wrote none)
+    assert c["val_head_tau"] == [(20, pytest.approx(1.2 + 20 / 30)), (30, pytest.approx(2.2))]
 
 
 def test_charts_are_well_formed_with_edge_cases():

@@ -277,8 +277,10 @@ def _simulated_tau(acc: list[float]) -> float:
 
 
 def training_curves(metrics_path: Path) -> dict[str, list[tuple[float, float]]]:
-    """{"train_loss", "val_loss", "train_tau" (simulated from per-step accuracy), "val_tau"} as [(step, value)]."""
-    out: dict[str, list[tuple[float, float]]] = {"train_loss": [], "val_loss": [], "train_tau": [], "val_tau": []}
+    """{"train_loss", "val_loss", "train_tau" (simulated from per-step accuracy), "val_tau",
+    "val_head_tau" (the val pass over each turn's first eval.max_new_tokens tokens)} as [(step, value)]."""
+    out: dict[str, list[tuple[float, float]]] = {"train_loss": [], "val_loss": [], "train_tau": [], "val_tau": [],
+                                                 "val_head_tau": []}
     for row in _read_jsonl(metrics_path):
         step, split = row.get("step"), row.get("split")
         if not isinstance(step, (int, float)) or split not in ("train", "val"):
@@ -290,6 +292,8 @@ def training_curves(metrics_path: Path) -> dict[str, list[tuple[float, float]]]:
             tau = _simulated_tau(row["acc"])
         if isinstance(tau, (int, float)):
             out[f"{split}_tau"].append((step, float(tau)))
+        if split == "val" and isinstance(row.get("tau_head"), (int, float)):
+            out["val_head_tau"].append((step, float(row["tau_head"])))
     return out
 
 
@@ -465,11 +469,17 @@ def write_report(campaign: Campaign | str | Path) -> tuple[Path, Path]:
     if any(curves.values()):
         add_plot("train_loss", "Training loss", line_chart,
                  {"train": curves["train_loss"], "val": curves["val_loss"]}, xlabel="step", ylabel="loss")
-        add_plot("train_tau", "Simulated tau (chain, temperature 0)", line_chart,
-                 {"train (from acc)": curves["train_tau"], "val": curves["val_tau"]}, xlabel="step", ylabel="tau")
+        taus = {"train (from acc)": curves["train_tau"], "val": curves["val_tau"]}
+        if curves["val_head_tau"]:
+            taus["val, each turn's first eval tokens"] = curves["val_head_tau"]
+        add_plot("train_tau", "Simulated tau (chain, temperature 0)", line_chart, taus, xlabel="step", ylabel="tau")
         if curves["val_tau"]:
             last = curves["val_tau"][-1]
-            note = f"Last validation: step {last[0]:g}, simulated tau {last[1]:.3f}."
+            note = f"Last validation: step {last[0]:g}, simulated tau {last[1]:.3f}"
+            if curves["val_head_tau"] and curves["val_head_tau"][-1][0] == last[0]:
+                note += (f"; over each turn's first eval.max_new_tokens tokens (the window eval measures) "
+                         f"{curves['val_head_tau'][-1][1]:.3f}")
+            note += "."
             md += [note, ""]
             hb.append(f"<p>{html.escape(note)}</p>")
     else:
