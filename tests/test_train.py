@@ -934,24 +934,32 @@ def test_ttt_ops_bench_runs_and_reports(tmp_path):
     assert r["min_ms"] > 0 and r["loss"] > 0 and dict(r["top_ops"]).get("aten.mm", 0) > 0
 
 
+AB_COMMON = {**BASE, "total_steps": 4, "batch_tokens": 96, "eval_every": 4, "checkpoint_every": 1000}
+
+
+def train_ab(tiny, tmp_path: Path, switch: dict) -> tuple[Campaign, Campaign]:
+    """The same short run twice, the second with `switch` on top: (default campaign, switched one)."""
+    a = seed_campaign(tiny, tmp_path, AB_COMMON, name="a")
+    b = seed_campaign(tiny, tmp_path, {**AB_COMMON, **switch}, name="b")
+    run_train(load_config(tmp_path / "a.toml"), a)
+    run_train(load_config(tmp_path / "b.toml"), b)
+    return a, b
+
+
 def test_loss_on_prompt_trains_on_every_token_and_validates_on_the_generated_ones(tiny, tmp_path):
     """train.loss_on_prompt: the train split's samples count every token (the prompt's too), so the
     same batches give another loss; the val pass still counts only the generated tokens, so its
     positions equal the default run's and val stays comparable across the two recipes."""
     from specops.drafter.train import FeatureSplit
 
-    common = {**BASE, "total_steps": 4, "batch_tokens": 96, "eval_every": 4, "checkpoint_every": 1000}
-    a = seed_campaign(tiny, tmp_path, common, name="a")
-    b = seed_campaign(tiny, tmp_path, {**common, "loss_on_prompt": True}, name="b")
-    run_train(load_config(tmp_path / "a.toml"), a)
-    run_train(load_config(tmp_path / "b.toml"), b)
+    a, b = train_ab(tiny, tmp_path, {"loss_on_prompt": True})
     ta, tb = metrics(a.root), metrics(b.root)
     assert [r["tokens"] for r in ta] == [r["tokens"] for r in tb]  # the same batches
     assert ta[0]["loss"] != tb[0]["loss"]
     va, vb = metrics(a.root, "val")[-1], metrics(b.root, "val")[-1]
     assert va["positions"] == vb["positions"] and va["positions"][0] > 0
     # the graph-ready step (train.cuda_graphs; eager on a CPU) takes the same masks
-    c = seed_campaign(tiny, tmp_path, {**common, "loss_on_prompt": True, "cuda_graphs": True}, name="c")
+    c = seed_campaign(tiny, tmp_path, {**AB_COMMON, "loss_on_prompt": True, "cuda_graphs": True}, name="c")
     run_train(load_config(tmp_path / "c.toml"), c)
     assert metrics(c.root, "val")[-1]["positions"] == va["positions"]
     split = FeatureSplit(b.root / "features" / "train")
@@ -1033,11 +1041,7 @@ def test_mask_repetition_trains_without_greedy_loops_and_validates_as_before(tin
     from specops.build import repeating_tokens
     from specops.drafter.train import FeatureSplit, without_repeats
 
-    common = {**BASE, "total_steps": 4, "batch_tokens": 96, "eval_every": 4, "checkpoint_every": 1000}
-    a = seed_campaign(tiny, tmp_path, common, name="a")
-    b = seed_campaign(tiny, tmp_path, {**common, "mask_repetition": True}, name="b")
-    run_train(load_config(tmp_path / "a.toml"), a)
-    run_train(load_config(tmp_path / "b.toml"), b)
+    a, b = train_ab(tiny, tmp_path, {"mask_repetition": True})
     ta, tb = metrics(a.root), metrics(b.root)
     assert [r["tokens"] for r in ta] == [r["tokens"] for r in tb] and ta[0]["loss"] != tb[0]["loss"]
     assert metrics(a.root, "val")[-1]["positions"] == metrics(b.root, "val")[-1]["positions"]
@@ -1051,3 +1055,31 @@ def test_mask_repetition_trains_without_greedy_loops_and_validates_as_before(tin
         assert q.loss_mask.equal(p.loss_mask & ~torch.from_numpy(rep))
         dropped += int(rep.sum())
     assert dropped > 0  # the tiny model's greedy continuations do loop
+
+
+def test_eval_on_val_the_loops_first_drafts_are_the_teacher_forced_ones(tiny, tmp_path):
+    """bench/quality/eval_on_val.py on a trained tiny drafter: the evaluator's loop (k=3, T=0)
+    accepts its first draft exactly where the drafter's teacher-forced step-0 prediction, over the
+    tokens the loop generated, is right at the round starts; the offset buckets cover every
+    recorded response token."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_on_val", Path(__file__).parents[1] / "bench" / "quality" / "eval_on_val.py")
+    eov = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(eov)
+    camp = seed_campaign(tiny, tmp_path, {**BASE, "total_steps": 40, "batch_tokens": 256, "eval_every": 1000,
+                                          "checkpoint_every": 1000})
+    s = run_train(load_config(tmp_path / "c.toml"), camp)
+    out = tmp_path / "eov.json"
+    assert eov.main(["--campaign", str(camp.root), "--model", str(tiny["target"]), "--drafter", s["checkpoint"],
+                     "--samples", "4", "--k", "3", "--new-tokens", "24", "--bucket", "8", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    loop, tf = r["loop"], r["teacher_forced_step0_on_loop_tokens"]
+    assert r["samples"] == 4 and loop["target_steps"] == tf["rounds"] > 0
+    assert loop["position_accepted"][0] == round(tf["round_starts"] * tf["rounds"])  # the same count
+    assert loop["acceptance_per_position"][0] == pytest.approx(tf["round_starts"])
+    # every generated token but each turn's first (the target's own pick after the prompt, never drafted)
+    assert tf["tokens"] == loop["generated_tokens"] - r["samples"]
+    responses = sum(int(m.sum()) for _, m in tiny["val"])
+    assert sum(b["tokens"] for b in r["teacher_forced_step0_by_response_offset"].values()) == responses
+    assert set(r["teacher_forced_step0_by_response_offset"]) <= {"0-7", "8-15", "16-23", "24-31"}

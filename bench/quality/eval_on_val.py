@@ -12,8 +12,9 @@ tool turns included). Three measurements per sample:
    buckets of the token's offset in the response (0-127, 128-255, ...);
 2. our evaluator's own loop (evaluate.specdec.speculative_generate, T=0, k, new tokens) from the
    prompt: tau and acceptance per draft position;
-3. teacher-forced again, on the tokens the loop generated: over every generated token, and over
-   the tokens where a round began only (the first draft of a round is the one position 1 counts).
+3. teacher-forced again, on the tokens the loop generated: over every generated token after the
+   first (the target's own pick after the prompt, never drafted), and over the tokens where a round
+   began only (the first draft of a round is the one position 1 counts).
    If the loop is right, the second equals its position-1 acceptance exactly.
 Plus the share of response tokens that repeat a 16-token window seen earlier in the same response
 (greedy loops), and the training val pass's last row (--metrics) for comparison.
@@ -49,23 +50,16 @@ def val_prompts(build_dir: Path, n: int) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-def simulated_tau(acc: list[float]) -> float:
-    tau, p = 1.0, 1.0
-    for x in acc:
-        p *= x
-        tau += p
-    return tau
-
-
 def repeated_share(tokens: list[int], n: int = 16) -> float:
-    """Share of tokens that follow an n-token window already seen earlier in `tokens`."""
-    seen: set[tuple[int, ...]] = set()
-    hits = 0
-    for i in range(n, len(tokens)):
-        w = tuple(tokens[i - n:i])
-        hits += w in seen
-        seen.add(w)
-    return hits / len(tokens) if tokens else 0.0
+    """Share of tokens that repeat an n-token window already seen earlier in `tokens` (the
+    build's measure, build.repeating_tokens, over one turn)."""
+    import numpy as np
+
+    from specops.build import repeating_tokens
+
+    if not tokens:
+        return 0.0
+    return float(repeating_tokens(np.asarray(tokens, dtype=np.int64), np.ones(len(tokens), dtype=np.uint8), n).mean())
 
 
 def step0_hits(target_runner, drafter, seq: list[int]):
@@ -100,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
+    from specops.evaluate.report import _simulated_tau
     from specops.evaluate.specdec import TargetRunner, _eos_ids, load_eval_drafter, speculative_generate
     from specops.extract import load_target
 
@@ -109,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(a.model, a.dtype, a.device)
     drafter = load_eval_drafter(a.drafter, target)
     runner = TargetRunner(target, drafter.config.aux_layer_ids)  # the reference runner (eager HF)
-    eos = _eos_ids(target.model, AutoTokenizer.from_pretrained(str(a.model)))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(a.model))
+    except (OSError, ValueError):  # a model dir without a tokenizer: the eos ids of its configs only
+        tokenizer = None
+    eos = _eos_ids(target.model, tokenizer)
     buckets: dict[int, list[int]] = {}  # offset bucket -> [right, count] (measurement 1)
     reached, ok, steps, accepted_sum, new = [0] * a.k, [0] * a.k, 0, 0, 0
     gen_right = gen_all = start_right = start_all = 0  # measurement 3
@@ -169,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         vals = [v for v in vals if v.get("split") == "val"]
         if vals:
             out["training_val"] = {"step": vals[-1]["step"], "acc": vals[-1]["acc"],
-                                   "simulated_tau": simulated_tau(vals[-1]["acc"])}
+                                   "simulated_tau": _simulated_tau(vals[-1]["acc"])}
     print(json.dumps(out, indent=1))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
