@@ -617,3 +617,61 @@ def test_finalize_overlaps_the_next_shard(tmp_path, llama_dir, monkeypatch):
     assert summary["splits"]["train"]["written"] == len(index["shards"])
     for sh in index["shards"]:
         assert digest(d / sh["name"]) == sh["digest"]
+
+
+def test_extract_heartbeats_its_shards_and_status_shows_the_progress(tmp_path, llama_dir, monkeypatch):
+    """Extract (rank 0, from a thread) writes run/heartbeat.json: per split the plan's shards and
+    tokens finished, the rate and the ETA. `specops status` on a campaign whose lock is held shows
+    `extract: d/N shards` and raises no stale-heartbeat alarm (generate's last beat is not what it reads)."""
+    import time
+
+    import specops.extract as E
+    from rich.console import Console
+
+    from specops.campaign import RunLock
+    from specops.status import collect, render
+
+    cfg, camp = make_campaign(tmp_path / "c", llama_dir)
+    live, beats = [], []
+    enter, log_finished = E._Heartbeat.__enter__, E._log_finished
+
+    def entering(self):
+        live.append(self)
+        return enter(self)
+
+    def finished(split, dones):  # a beat as each shard finishes: progress at known points
+        if dones and live:
+            beats.append(live[0].beat())
+        return log_finished(split, dones)
+
+    monkeypatch.setattr(E._Heartbeat, "__enter__", entering)
+    monkeypatch.setattr(E, "_log_finished", finished)
+    run_extract(cfg, camp, split="both")
+    final = json.loads(camp.heartbeat_path.read_text())
+    assert final["phase"] == "extract" and final["state"] == "done" and final["eta_s"] == 0.0
+    for split in ("train", "val"):
+        index = json.loads((camp.root / "features" / split / "index.json").read_text())
+        v = final["splits"][split]
+        assert v["shards_done"] == v["shards"] == len(index["shards"]) and v["tokens_done"] == v["tokens"] == index["n_tokens"]
+    done = [sum(v["tokens_done"] for v in b["splits"].values()) for b in beats]
+    assert done == sorted(done) and 0 < done[0] < done[-1]
+    total = sum(v["tokens"] for v in final["splits"].values())
+    mid = next(b for b, d in zip(beats, done) if d < total)
+    assert mid["window"]["tokens_per_s"] > 0 and mid["eta_s"] > 0
+
+    camp.heartbeat_path.write_text(json.dumps(dict(mid, ts=time.time())))
+    camp.set_phase("extract", "running")
+    lock = RunLock(camp, "extract").acquire()
+    try:
+        rep = collect(camp.root)
+    finally:
+        lock.release()
+    ex = rep.data["extract"]
+    assert rep.state == "running" and rep.problems == [], rep.problems
+    assert ex["shards_done"] == sum(v["shards_done"] for v in mid["splits"].values()) < ex["shards"]
+    assert rep.data["remaining"] == ex["shards"] - ex["shards_done"] and rep.data["eta_s"] == pytest.approx(mid["eta_s"])
+    con = Console(width=200, record=True)
+    con.print(render(rep))
+    text = con.export_text()
+    assert f"extract: {ex['shards_done']}/{ex['shards']} shards" in text
+    assert f"  train: {mid['splits']['train']['shards_done']}/{mid['splits']['train']['shards']} shards" in text

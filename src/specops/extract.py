@@ -83,7 +83,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .campaign import Campaign, RunLock, atomic_write_json, read_json
+from .campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json
 from .config import Config, load_config
 from .errors import ConfigError, DiskFull, InputError, SpecopsError
 from .models import resolve_device, resolve_dtype
@@ -805,6 +805,67 @@ def _model_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
+HEARTBEAT_S = 10.0  # rank 0 writes run/heartbeat.json at least this often while extract runs
+
+
+class _Heartbeat:
+    """run/heartbeat.json for `specops status` while extract runs: per split, the shards and tokens
+    finished of the plan (every rank's: `.done` sidecars in the shared split dirs), the rate since
+    this run began and the ETA. Rank 0 writes it from a thread, so it keeps beating while the rank
+    waits at a barrier for the others."""
+
+    def __init__(self, campaign: Campaign, splits: list[_Split], interval: float = HEARTBEAT_S):
+        self.campaign, self.splits, self.interval = campaign, splits, interval
+        self.started = time.time()
+        self.tokens0: int | None = None  # tokens finished when this run began (a resume starts mid-way)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def progress(self) -> dict[str, dict[str, int]]:
+        out = {}
+        for sp in self.splits:
+            names = {p.name[: -len(".done")] for p in sp.out_dir.glob("*.done")} if sp.out_dir.is_dir() else set()
+            done = [s for s in sp.shards if s.name in names]
+            out[sp.name] = {"shards_done": len(done), "shards": len(sp.shards),
+                            "tokens_done": sum(s.n_tokens for s in done),
+                            "tokens": sum(s.n_tokens for s in sp.shards)}
+        return out
+
+    def beat(self, state: str = "running") -> dict[str, Any]:
+        now = time.time()
+        prog = self.progress()
+        done = sum(v["tokens_done"] for v in prog.values())
+        left = sum(v["tokens"] - v["tokens_done"] for v in prog.values())
+        if self.tokens0 is None:
+            self.tokens0 = done
+        rate = (done - self.tokens0) / (now - self.started) if now > self.started and done > self.tokens0 else None
+        hb = {"pid": os.getpid(), "phase": "extract", "state": state, "ts": now, "iso": now_iso(),
+              "started": self.started, "splits": prog, "window": {"tokens_per_s": rate},
+              "eta_s": round(left / rate, 1) if rate else (0.0 if not left else None)}
+        atomic_write_json(self.campaign.heartbeat_path, hb, fsync=False)
+        return hb
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+            except OSError as e:  # a full disk must not kill extraction over a status file
+                log.warning("extract heartbeat: %s", e)
+
+    def __enter__(self) -> "_Heartbeat":
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="extract-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with contextlib.suppress(OSError):
+            self.beat("done" if exc_type is None else "stopped")
+
+
 def _open_split(
     campaign: Campaign,
     split: str,
@@ -1427,47 +1488,49 @@ def run_extract(
         summary: dict[str, Any] = {"mode": "offline", "rank": rank, "world_size": world, "splits": {}}
         bpt = feature_bytes_per_token(H, x.dtype)
         pipe = _Pipeline(target.device, x.token_budget, x.batch_window) if target is not None else None
+        beats = _Heartbeat(campaign, splits) if rank == 0 else contextlib.nullcontext()
         try:
-            for sp in splits:
-                t0 = time.perf_counter()
-                dones: list[dict[str, Any]] = []  # sidecars of the shards this run finished, as they finish
-                try:
-                    offsets = sp.offsets.tolist()
-                    with torch.inference_mode():
-                        for window, write in todo[sp.name]:
-                            assert pipe is not None and target is not None
-                            _extract_window(pipe, target, sp, window, write, layer_ids, x.dtype, x.token_budget,
-                                            offsets)  # fmt: skip
-                            dones += _log_finished(sp.name, pipe.take_done())
-                    if pipe is not None:  # every shard of this rank finished before the barrier/index
-                        dones += _log_finished(sp.name, pipe.join())
-                except BaseException:
-                    if pipe is not None:
-                        pipe.abort()  # let the writer and finalizer end; then re-raise (KeyboardInterrupt too)
-                    raise
-                written = len(dones)
-                tokens = sum(d["n_tokens"] for d in dones)
-                padded = sum(d["padded_tokens"] for d in dones)
-                elapsed = time.perf_counter() - t0
-                barrier()
-                entry = {
-                    "shards": len(sp.shards),
-                    "written": written,
-                    "skipped": sum(1 for s in sp.shards if s.rank == rank) - written,
-                    "tokens_written": tokens,
-                    "tokens_per_s": round(tokens / elapsed, 1) if written else None,
-                    "padding_waste": round(1 - tokens / padded, 4) if padded else 0.0,
-                    "bytes_per_token": bpt,
-                }
-                if rank == 0:
-                    old = read_json(sp.out_dir / "index.json")
-                    if unfinished[sp.name] or not (old and old.get("complete") and old.get("plan_key") == sp.plan_key):
-                        old = _write_index(sp, target_info, x.dtype, layer_ids, bpt)
-                    entry.update(
-                        n_samples=old["n_samples"], n_tokens=old["n_tokens"], bytes=old["bytes"],
-                        index=str(sp.out_dir / "index.json"), total_padding_waste=old["stats"]["padding_waste"],
-                    )  # fmt: skip
-                summary["splits"][sp.name] = entry
+            with beats:
+                for sp in splits:
+                    t0 = time.perf_counter()
+                    dones: list[dict[str, Any]] = []  # sidecars of the shards this run finished, as they finish
+                    try:
+                        offsets = sp.offsets.tolist()
+                        with torch.inference_mode():
+                            for window, write in todo[sp.name]:
+                                assert pipe is not None and target is not None
+                                _extract_window(pipe, target, sp, window, write, layer_ids, x.dtype, x.token_budget,
+                                                offsets)  # fmt: skip
+                                dones += _log_finished(sp.name, pipe.take_done())
+                        if pipe is not None:  # every shard of this rank finished before the barrier/index
+                            dones += _log_finished(sp.name, pipe.join())
+                    except BaseException:
+                        if pipe is not None:
+                            pipe.abort()  # let the writer and finalizer end; then re-raise (KeyboardInterrupt too)
+                        raise
+                    written = len(dones)
+                    tokens = sum(d["n_tokens"] for d in dones)
+                    padded = sum(d["padded_tokens"] for d in dones)
+                    elapsed = time.perf_counter() - t0
+                    barrier()
+                    entry = {
+                        "shards": len(sp.shards),
+                        "written": written,
+                        "skipped": sum(1 for s in sp.shards if s.rank == rank) - written,
+                        "tokens_written": tokens,
+                        "tokens_per_s": round(tokens / elapsed, 1) if written else None,
+                        "padding_waste": round(1 - tokens / padded, 4) if padded else 0.0,
+                        "bytes_per_token": bpt,
+                    }
+                    if rank == 0:
+                        old = read_json(sp.out_dir / "index.json")
+                        if unfinished[sp.name] or not (old and old.get("complete") and old.get("plan_key") == sp.plan_key):
+                            old = _write_index(sp, target_info, x.dtype, layer_ids, bpt)
+                        entry.update(
+                            n_samples=old["n_samples"], n_tokens=old["n_tokens"], bytes=old["bytes"],
+                            index=str(sp.out_dir / "index.json"), total_padding_waste=old["stats"]["padding_waste"],
+                        )  # fmt: skip
+                    summary["splits"][sp.name] = entry
         finally:
             if pipe is not None:
                 pipe.shutdown()

@@ -113,6 +113,18 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
         if alive:
             remaining = max(0, hb["total_steps"] - (hb.get("step") or 0))
             eta = hb.get("eta_s")
+    # Extract writes its own heartbeat too (extract._Heartbeat): shards and tokens of the plan done.
+    extract = None
+    if hb.get("phase") == "extract" and isinstance(hb.get("splits"), dict):
+        sp = hb["splits"]
+        extract = {"splits": sp, "tokens_per_s": tps, "eta_s": hb.get("eta_s"), "state": hb.get("state"),
+                   "shards_done": sum(v.get("shards_done", 0) for v in sp.values()),
+                   "shards": sum(v.get("shards", 0) for v in sp.values()),
+                   "tokens_done": sum(v.get("tokens_done", 0) for v in sp.values()),
+                   "tokens": sum(v.get("tokens", 0) for v in sp.values())}
+        if alive:
+            remaining = extract["shards"] - extract["shards_done"]
+            eta = hb.get("eta_s")
     in_flight = sum(d["in_flight"] for d in datasets.values())
     started = hb.get("started")
     done_total = sum(d["done"] for d in datasets.values())
@@ -168,6 +180,7 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
         "remaining": remaining,
         "eta_s": None if eta is None else round(eta, 1),
         "train": train,
+        "extract": extract,
         "error_rate": _error_rate(datasets),
         "disk": {"path": str(camp.root), "free_bytes": du.free, "total_bytes": du.total,
                  "forecast_pending_bytes": forecast},
@@ -226,7 +239,15 @@ def render(report: StatusReport):
         head.append(f"  heartbeat {d['heartbeat_age_s']:.0f}s ago")
     w = d.get("window", {})
     tr = d.get("train")
-    if tr and d.get("alive"):
+    ex = d.get("extract")
+    if ex and d.get("alive"):
+        pct = f" ({ex['tokens_done'] / ex['tokens']:.0%} of tokens)" if ex.get("tokens") else ""
+        rate = f", {ex['tokens_per_s']:,.0f} tok/s" if ex.get("tokens_per_s") is not None else ""
+        head.append(f"\nextract: {ex['shards_done']}/{ex['shards']} shards{pct}{rate}, ETA {_fmt_eta(ex.get('eta_s'))}")
+        for name, v in ex["splits"].items():
+            head.append(f"\n  {name}: {v['shards_done']}/{v['shards']} shards, "
+                        f"{v['tokens_done']:,}/{v['tokens']:,} tokens")
+    elif tr and d.get("alive"):
         pct = f" ({tr['step'] / tr['total_steps']:.0%})" if tr.get("step") is not None else ""
         rate = f", {tr['tokens_per_s']:,.0f} tok/s" if tr.get("tokens_per_s") is not None else ""
         head.append(f"\ntrain: step {tr.get('step', '-')}/{tr['total_steps']}{pct}{rate}, "
