@@ -442,6 +442,13 @@ def test_torchrun_two_processes_match_one(tmp_path, llama_dir):
             torch.testing.assert_close(s1[i]["aux"], s2[i]["aux"])  # thread counts differ: bf16 rounding
             torch.testing.assert_close(s1[i]["final"], s2[i]["final"])
     assert camp2.read_manifest()["phases"]["extract"]["state"] == "done"
+    # rank 0's heartbeat counted both ranks' shards (status reads it while extract runs)
+    hb = json.loads(camp2.heartbeat_path.read_text())
+    assert hb["phase"] == "extract" and hb["state"] == "done"
+    for split in ("train", "val"):
+        index = json.loads((camp2.root / "features" / split / "index.json").read_text())
+        v = hb["splits"][split]
+        assert v["shards_done"] == v["shards"] == len(index["shards"]) and v["tokens_done"] == index["n_tokens"]
 
 
 def test_tail_split_stores_the_same_features_in_smaller_final_shards(tmp_path, llama_dir):
