@@ -664,7 +664,9 @@ def test_extract_heartbeats_its_shards_and_status_shows_the_progress(tmp_path, l
     assert done == sorted(done) and 0 < done[0] < done[-1]
     total = sum(v["tokens"] for v in final["splits"].values())
     mid = next(b for b, d in zip(beats, done) if d < total)
-    assert mid["window"]["tokens_per_s"] > 0 and mid["eta_s"] > 0
+    left = sum(v["tokens"] - v["tokens_done"] for v in mid["splits"].values())
+    assert left > 0 and mid["window"]["tokens_per_s"] > 0
+    assert mid["eta_s"] == round(left / mid["window"]["tokens_per_s"], 1)  # (0.0 on a fast machine: rounded)
 
     camp.heartbeat_path.write_text(json.dumps(dict(mid, ts=time.time())))
     camp.set_phase("extract", "running")
