@@ -679,11 +679,12 @@ def test_heartbeat_carries_step_rate_and_eta_and_status_shows_them(tiny, tmp_pat
     from specops.campaign import RunLock
     from specops.status import collect, render
 
-    cfg = {**BASE, "total_steps": 6, "batch_tokens": 256, "log_every": 1000, "eval_every": 1000,
+    cfg = {**BASE, "total_steps": 6, "batch_tokens": 256, "log_every": 1000, "eval_every": 3,
            "checkpoint_every": 1000}
     camp = make_campaign(tmp_path, tiny["target"], cfg)
     write_features(tiny["model"], tiny["train"][:4], camp / "features" / "train")
-    write_build({"train": tiny["train"][:4]}, camp / "build")
+    write_features(tiny["model"], tiny["val"], camp / "features" / "val")
+    write_build({"train": tiny["train"][:4], "val": tiny["val"]}, camp / "build")
     c = Campaign(camp)
     beats = []
     real = train_mod._Trainer.heartbeat
@@ -717,6 +718,20 @@ def test_heartbeat_carries_step_rate_and_eta_and_status_shows_them(tiny, tmp_pat
     con = Console(width=200, record=True)
     con.print(render(rep))
     assert "train: step 2/6 (33%)" in con.export_text()
+    # the beats after the val pass at step 3 (steps 4-6) carry it; status shows it under the step line
+    assert [b["last_val"] is None for b in running] == [True, True, True, False, False, False]  # step 3 beats first
+    val3 = next(r for r in metrics(camp, "val") if r["step"] == 3)
+    assert running[3]["last_val"] == {"step": 3, "tau": val3["tau"], "tau_head": val3["tau_head"], "head_tokens": 256}
+    c.heartbeat_path.write_text(json.dumps(dict(running[3], ts=time.time())))
+    lock = RunLock(c, "train").acquire()
+    try:
+        rep = collect(camp)
+    finally:
+        lock.release()
+    con = Console(width=200, record=True)
+    con.print(render(rep))
+    assert (f"val at step 3: simulated tau {val3['tau']:.3f}, over each turn's first 256 tokens "
+            f"{val3['tau_head']:.3f}") in con.export_text()
 
 
 def test_overfit_loss_falls_and_tau_near_k_plus_1(tiny, tmp_path):

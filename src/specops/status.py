@@ -109,7 +109,8 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
     train = None
     if hb.get("phase") == "train" and hb.get("total_steps"):
         train = {"step": hb.get("step"), "total_steps": hb["total_steps"], "tokens_per_s": tps,
-                 "steps_per_s": window.get("steps_per_s"), "eta_s": hb.get("eta_s"), "state": hb.get("state")}
+                 "steps_per_s": window.get("steps_per_s"), "eta_s": hb.get("eta_s"), "state": hb.get("state"),
+                 "last_val": hb.get("last_val")}
         if alive:
             remaining = max(0, hb["total_steps"] - (hb.get("step") or 0))
             eta = hb.get("eta_s")
@@ -252,6 +253,11 @@ def render(report: StatusReport):
         rate = f", {tr['tokens_per_s']:,.0f} tok/s" if tr.get("tokens_per_s") is not None else ""
         head.append(f"\ntrain: step {tr.get('step', '-')}/{tr['total_steps']}{pct}{rate}, "
                     f"ETA {_fmt_eta(tr.get('eta_s'))}")
+        lv = tr.get("last_val") or {}
+        if lv.get("tau") is not None:
+            head.append(f"\n  val at step {lv.get('step')}: simulated tau {lv['tau']:.3f}")
+            if lv.get("tau_head") is not None:
+                head.append(f", over each turn's first {lv.get('head_tokens')} tokens {lv['tau_head']:.3f}")
     else:
         if w.get("samples_per_s") is not None:
             head.append(f"\nrate: {w['samples_per_s']:.2f} samples/s, {w['tokens_per_s']:.0f} tok/s "

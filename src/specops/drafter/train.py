@@ -1095,6 +1095,7 @@ class _Trainer:
         # measures. Past it, greedy loops make tokens easy (session 11: step-0 acc 0.68 on a
         # response's first 128 tokens, 0.95 past 384), so the whole-turn figures overstate acceptance.
         self.head_tokens = int(cfg.eval.max_new_tokens)
+        self.val_for_status: dict[str, Any] | None = None  # the latest val pass, for the heartbeat
         self.val_head_split = None
         if self.val_split is not None:
             self.val_head_split = copy.copy(self.val_split)
@@ -1244,6 +1245,7 @@ class _Trainer:
             "started": self.started, "step": step, "total_steps": self.total_steps,
             "window": {"tokens_per_s": tokens_per_s, "steps_per_s": steps_per_s},
             "eta_s": round(left / steps_per_s, 1) if steps_per_s else (0.0 if not left else None),
+            "last_val": self.val_for_status,  # {step, tau, tau_head, head_tokens} or None
         }, fsync=False)
 
     def maybe_heartbeat(self, step: int, tokens_seen: int) -> None:
@@ -1413,6 +1415,7 @@ class _Trainer:
                 if step % tc.eval_every == 0 or step == self.total_steps:
                     val = self.evaluate()
                     if val is not None and rank0:
+                        self.val_for_status = {"step": step, **{k: val[k] for k in ("tau", "tau_head", "head_tokens")}}
                         self.write_metrics({"step": step, "split": "val", **val, "time": now_iso()})
                         log.info("val step %d: loss %.4f tau %.3f acc %s; first %d tokens of each turn: tau %.3f",
                                  step, val["loss"], val["tau"], " ".join(f"{a:.3f}" for a in val["acc"]),
