@@ -40,3 +40,20 @@ def one_thread():
     yield
     torch.set_num_threads(n)
 
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The interpreter of the vLLM environment (`scripts/test.sh` builds it). Absent, a test that
+    needs it skips, with the reason, on a developer's machine only: under CI, or when
+    SPECOPS_VLLM_PYTHON / SPECOPS_VLLM_VENV names one that does not work, it fails instead."""
+    from specops.serverproc import VllmServerError, find_vllm_python
+
+    try:
+        return str(find_vllm_python())
+    except VllmServerError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"{e} [CI is set: the vLLM environment is required]")
+        if os.environ.get("SPECOPS_VLLM_PYTHON") or os.environ.get("SPECOPS_VLLM_VENV"):
+            pytest.fail(str(e))  # explicitly configured but broken: not a reason to skip
+        pytest.skip(f"vLLM environment absent (./scripts/test.sh builds it): {e}")
+

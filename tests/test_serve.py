@@ -6,22 +6,16 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
-from specops.serverproc import VllmServerError, find_vllm_python, free_port
+from specops.serverproc import free_port
 
 pytestmark = pytest.mark.vllm
 
 
-def test_serve_real_vllm_start_health_stop(tmp_path, shared_data):
-    try:
-        py = find_vllm_python()
-    except VllmServerError as e:
-        if os.environ.get("CI"):
-            pytest.fail(str(e))
-        pytest.skip(str(e))
+def test_serve_real_vllm_start_health_stop(tmp_path, shared_data, vllm_python):
+    py = vllm_python
     port = free_port()
     cfg = tmp_path / "c.toml"
     cfg.write_text(

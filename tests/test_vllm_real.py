@@ -16,27 +16,11 @@ import urllib.request
 import pytest
 
 from specops.models import resolve_model_dir
-from specops.testing.vllm_server import (
-    VllmServer,
-    VllmServerError,
-    find_vllm_python,
-    start_vllm_server,
-)
+from specops.testing.vllm_server import VllmServer, start_vllm_server
 
 pytestmark = pytest.mark.vllm
 
 SERVED = "smollm2"
-
-
-def _need_vllm_python() -> None:
-    try:
-        find_vllm_python()
-    except VllmServerError as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"{e} [CI is set: the vLLM environment is required]")
-        if os.environ.get("SPECOPS_VLLM_PYTHON") or os.environ.get("SPECOPS_VLLM_VENV"):
-            pytest.fail(str(e))  # explicitly configured but broken: not a reason to skip
-        pytest.skip(f"vLLM environment absent: {e}")
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +29,7 @@ def model_dir():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
-    _need_vllm_python()
+def server(tmp_path_factory, model_dir, vllm_python):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     srv = start_vllm_server(model_dir, served_name=SERVED, log_path=log)
     try:

@@ -7,6 +7,7 @@ Everything talks to 127.0.0.1 only, and every wait is bounded in time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
@@ -228,11 +229,9 @@ def wait_for(pred: Callable[[], Any], timeout: float, step: float = 0.05, what: 
 
 def kill_quietly(p: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None:
     if p is not None and p.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
             p.send_signal(sig)
             p.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
 
 
 def pid_gone(pid: int) -> bool:
@@ -287,6 +286,7 @@ class _Conn:
         self.client = client
         self.upstream: asyncio.StreamWriter | None = None
         self.held = False  # answers withheld from now on (until reset)
+        self.dropped = 0  # request bytes read and never answered (mode "hang")
         self.released = asyncio.Event()
 
 
@@ -393,14 +393,14 @@ class FaultProxy:
         try:
             if self.mode == "hang":
                 c.held = True  # the raw hung server: read and drop requests, never answer
-                while await reader.read(1 << 16):
-                    pass
+                while chunk := await reader.read(1 << 16):
+                    c.dropped += len(chunk)
                 return
             up_reader, c.upstream = await asyncio.open_connection(HOST, self.upstream_port)
             await asyncio.gather(self._to_upstream(reader, c), self._to_client(up_reader, c),
                                  return_exceptions=True)
-        except OSError:
-            pass
+        except OSError:  # a client or upstream that went away: this connection is done
+            return
         finally:
             self._conns.discard(c)
             for w in (c.client, c.upstream):

@@ -11,6 +11,7 @@ default, and no unsafe deserialisation (pickle, torch.load without weights_only=
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 import re
 import secrets
@@ -55,10 +56,8 @@ def test_api_key_reaches_the_server_and_nothing_else(tmp_path, figures):
         outputs["generate --detach"] = det.stdout + det.stderr
         assert det.returncode == 0, det.stderr
         pid = int(det.stdout.split("pid ")[1].split()[0])
-        try:
+        with contextlib.suppress(FileNotFoundError):  # the detached run may have ended already
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except FileNotFoundError:
-            pass
         wait_for(lambda: pid_gone(pid), 120, step=0.2, what="the detached run")
         fg = specops("-v", "generate", str(cfg), "--retry-failed", "--no-progress", "--json", env=env)
         outputs["-v generate --retry-failed --json"] = fg.stdout + fg.stderr

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from specops.models import resolve_model_dir
-from specops.testing.vllm_server import VllmServerError, find_vllm_python, start_vllm_server
+from specops.testing.vllm_server import start_vllm_server
 
 from .helpers import (
     count_lines, listening_addresses, pid_gone, read_journal, specops, status_json, wait_for, write_config,
@@ -25,17 +25,7 @@ from .helpers import (
 pytestmark = [pytest.mark.reliability, pytest.mark.reliability_full, pytest.mark.slow, pytest.mark.vllm]
 
 
-def _need_vllm() -> None:
-    try:
-        find_vllm_python()
-    except VllmServerError as e:
-        if os.environ.get("CI") or os.environ.get("SPECOPS_VLLM_PYTHON") or os.environ.get("SPECOPS_VLLM_VENV"):
-            pytest.fail(str(e))
-        pytest.skip(f"vLLM environment absent: {e}")
-
-
-def test_real_vllm_killed_and_restarted_mid_campaign(tmp_path, rel, figures):
-    _need_vllm()
+def test_real_vllm_killed_and_restarted_mid_campaign(tmp_path, rel, figures, vllm_python):
     fig = figures("2", "real vLLM killed (process group) and restarted on the same port")
     model = resolve_model_dir("smollm2")
     n = 24
