@@ -640,18 +640,18 @@ def test_extract_heartbeats_its_shards_and_status_shows_the_progress(tmp_path, l
 
     cfg, camp = make_campaign(tmp_path / "c", llama_dir)
     live, beats = [], []
-    enter, log_finished = E._Heartbeat.__enter__, E._log_finished
+    start, log_finished = E._Heartbeat.start, E._log_finished
 
-    def entering(self):
+    def starting(self):
         live.append(self)
-        return enter(self)
+        start(self)
 
     def finished(split, dones):  # a beat as each shard finishes: progress at known points
         if dones and live:
             beats.append(live[0].beat())
         return log_finished(split, dones)
 
-    monkeypatch.setattr(E._Heartbeat, "__enter__", entering)
+    monkeypatch.setattr(E._Heartbeat, "start", starting)
     monkeypatch.setattr(E, "_log_finished", finished)
     run_extract(cfg, camp, split="both")
     final = json.loads(camp.heartbeat_path.read_text())

@@ -852,18 +852,17 @@ class _Heartbeat:
             except OSError as e:  # a full disk must not kill extraction over a status file
                 log.warning("extract heartbeat: %s", e)
 
-    def __enter__(self) -> "_Heartbeat":
+    def start(self) -> None:
         self.beat()
         self._thread = threading.Thread(target=self._run, name="extract-heartbeat", daemon=True)
         self._thread.start()
-        return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def stop(self, state: str) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         with contextlib.suppress(OSError):
-            self.beat("done" if exc_type is None else "stopped")
+            self.beat(state)
 
 
 def _open_split(
@@ -1488,50 +1487,55 @@ def run_extract(
         summary: dict[str, Any] = {"mode": "offline", "rank": rank, "world_size": world, "splits": {}}
         bpt = feature_bytes_per_token(H, x.dtype)
         pipe = _Pipeline(target.device, x.token_budget, x.batch_window) if target is not None else None
-        beats = _Heartbeat(campaign, splits) if rank == 0 else contextlib.nullcontext()
+        beats = _Heartbeat(campaign, splits) if rank == 0 else None
+        if beats is not None:
+            beats.start()
+        ok = False
         try:
-            with beats:
-                for sp in splits:
-                    t0 = time.perf_counter()
-                    dones: list[dict[str, Any]] = []  # sidecars of the shards this run finished, as they finish
-                    try:
-                        offsets = sp.offsets.tolist()
-                        with torch.inference_mode():
-                            for window, write in todo[sp.name]:
-                                assert pipe is not None and target is not None
-                                _extract_window(pipe, target, sp, window, write, layer_ids, x.dtype, x.token_budget,
-                                                offsets)  # fmt: skip
-                                dones += _log_finished(sp.name, pipe.take_done())
-                        if pipe is not None:  # every shard of this rank finished before the barrier/index
-                            dones += _log_finished(sp.name, pipe.join())
-                    except BaseException:
-                        if pipe is not None:
-                            pipe.abort()  # let the writer and finalizer end; then re-raise (KeyboardInterrupt too)
-                        raise
-                    written = len(dones)
-                    tokens = sum(d["n_tokens"] for d in dones)
-                    padded = sum(d["padded_tokens"] for d in dones)
-                    elapsed = time.perf_counter() - t0
-                    barrier()
-                    entry = {
-                        "shards": len(sp.shards),
-                        "written": written,
-                        "skipped": sum(1 for s in sp.shards if s.rank == rank) - written,
-                        "tokens_written": tokens,
-                        "tokens_per_s": round(tokens / elapsed, 1) if written else None,
-                        "padding_waste": round(1 - tokens / padded, 4) if padded else 0.0,
-                        "bytes_per_token": bpt,
-                    }
-                    if rank == 0:
-                        old = read_json(sp.out_dir / "index.json")
-                        if unfinished[sp.name] or not (old and old.get("complete") and old.get("plan_key") == sp.plan_key):
-                            old = _write_index(sp, target_info, x.dtype, layer_ids, bpt)
-                        entry.update(
-                            n_samples=old["n_samples"], n_tokens=old["n_tokens"], bytes=old["bytes"],
-                            index=str(sp.out_dir / "index.json"), total_padding_waste=old["stats"]["padding_waste"],
-                        )  # fmt: skip
-                    summary["splits"][sp.name] = entry
+            for sp in splits:
+                t0 = time.perf_counter()
+                dones: list[dict[str, Any]] = []  # sidecars of the shards this run finished, as they finish
+                try:
+                    offsets = sp.offsets.tolist()
+                    with torch.inference_mode():
+                        for window, write in todo[sp.name]:
+                            assert pipe is not None and target is not None
+                            _extract_window(pipe, target, sp, window, write, layer_ids, x.dtype, x.token_budget,
+                                            offsets)  # fmt: skip
+                            dones += _log_finished(sp.name, pipe.take_done())
+                    if pipe is not None:  # every shard of this rank finished before the barrier/index
+                        dones += _log_finished(sp.name, pipe.join())
+                except BaseException:
+                    if pipe is not None:
+                        pipe.abort()  # let the writer and finalizer end; then re-raise (KeyboardInterrupt too)
+                    raise
+                written = len(dones)
+                tokens = sum(d["n_tokens"] for d in dones)
+                padded = sum(d["padded_tokens"] for d in dones)
+                elapsed = time.perf_counter() - t0
+                barrier()
+                entry = {
+                    "shards": len(sp.shards),
+                    "written": written,
+                    "skipped": sum(1 for s in sp.shards if s.rank == rank) - written,
+                    "tokens_written": tokens,
+                    "tokens_per_s": round(tokens / elapsed, 1) if written else None,
+                    "padding_waste": round(1 - tokens / padded, 4) if padded else 0.0,
+                    "bytes_per_token": bpt,
+                }
+                if rank == 0:
+                    old = read_json(sp.out_dir / "index.json")
+                    if unfinished[sp.name] or not (old and old.get("complete") and old.get("plan_key") == sp.plan_key):
+                        old = _write_index(sp, target_info, x.dtype, layer_ids, bpt)
+                    entry.update(
+                        n_samples=old["n_samples"], n_tokens=old["n_tokens"], bytes=old["bytes"],
+                        index=str(sp.out_dir / "index.json"), total_padding_waste=old["stats"]["padding_waste"],
+                    )  # fmt: skip
+                summary["splits"][sp.name] = entry
+            ok = True
         finally:
+            if beats is not None:
+                beats.stop("done" if ok else "stopped")
             if pipe is not None:
                 pipe.shutdown()
         barrier()
