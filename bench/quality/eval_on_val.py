@@ -53,13 +53,9 @@ def val_prompts(build_dir: Path, n: int) -> list[tuple[list[int], list[int]]]:
 def repeated_share(tokens: list[int], n: int = 16) -> float:
     """Share of tokens that repeat an n-token window already seen earlier in `tokens` (the
     build's measure, build.repeating_tokens, over one turn)."""
-    import numpy as np
+    from specops.build import count_repeating
 
-    from specops.build import repeating_tokens
-
-    if not tokens:
-        return 0.0
-    return float(repeating_tokens(np.asarray(tokens, dtype=np.int64), np.ones(len(tokens), dtype=np.uint8), n).mean())
+    return count_repeating(tokens, n) / len(tokens) if tokens else 0.0
 
 
 def step0_hits(target_runner, drafter, seq: list[int]):

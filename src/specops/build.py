@@ -502,6 +502,13 @@ def repeating_tokens(ids: np.ndarray, mask: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+def count_repeating(tokens: Any, n: int) -> int:
+    """How many of one generated turn's tokens repeat an n-token window of it (repeating_tokens
+    over a turn with no prompt)."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    return int(repeating_tokens(ids, np.ones(len(ids), dtype=np.uint8), n).sum())
+
+
 def check_build_section(b: BuildSection) -> None:
     if not 0 <= b.val_fraction < 1:
         raise ConfigError(f"build.val_fraction: must be in [0, 1), got {b.val_fraction}")

@@ -90,20 +90,14 @@ LOOP_NGRAM, LOOP_SHARE = 16, 0.3
 def loop_share(rec: dict[str, Any]) -> float:
     """Share of a record's generated tokens that repeat a LOOP_NGRAM window of their own turn: on
     the turns' token ids where the server returned them, else on the content's words."""
-    import numpy as np
-
-    from ..build import repeating_tokens
+    from ..build import count_repeating
 
     seqs = [t["token_ids"] for t in rec.get("turns") or [] if isinstance(t, dict) and isinstance(t.get("token_ids"), list)]
     if not seqs:
         words = (rec.get("content") or "").split()
         seqs = [[hash(w) & 0x7FFFFFFF for w in words]]
     total = sum(len(x) for x in seqs)
-    if not total:
-        return 0.0
-    rep = sum(int(repeating_tokens(np.asarray(x, dtype=np.int64), np.ones(len(x), dtype=np.uint8), LOOP_NGRAM).sum())
-              for x in seqs)
-    return rep / total
+    return sum(count_repeating(x, LOOP_NGRAM) for x in seqs) / total if total else 0.0
 
 
 def _has_tool_calls(rec: dict[str, Any]) -> bool:
