@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from specops.drafter.model import DrafterConfig, Eagle3Drafter  # noqa: E402
-from specops.evaluate.fast_drafter import EagerDrafterRunner, StaticDrafterRunner  # noqa: E402
+from specops.evaluate.fast_drafter import StaticDrafterRunner
+from specops.evaluate.loop import EagerDrafterRunner
 
 
 def load(path: Path | None) -> Eagle3Drafter:
@@ -37,8 +38,8 @@ def load(path: Path | None) -> Eagle3Drafter:
                             max_position_embeddings=8192, target_num_hidden_layers=30, target_hidden_size=576,
                             rope_theta=100000.0)
         return Eagle3Drafter(cfg)
-    from specops.drafter.export import load_exported
-    from specops.evaluate.specdec import drafter_config_from_export
+    from specops.drafter.formats import load_exported
+    from specops.drafter.formats import drafter_config_from_export
 
     sd, config = load_exported(path)
     d = Eagle3Drafter(drafter_config_from_export(config))

@@ -33,7 +33,8 @@ sys.path.insert(0, str(REPO / "src"))
 from specops.evaluate.batched import BatchedLoop, run_batched  # noqa: E402
 from specops.evaluate.fast_drafter import StaticDrafterRunner  # noqa: E402
 from specops.evaluate.fast_target import StaticTargetRunner  # noqa: E402
-from specops.evaluate.specdec import _eos_ids, _finish, load_eval_drafter, speculative_generate  # noqa: E402
+from specops.evaluate.specdec import _eos_ids, load_eval_drafter
+from specops.evaluate.loop import finish_tokens as _finish, speculative_generate
 
 
 def prompts(tok, n: int) -> list[list[int]]:
@@ -78,7 +79,7 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from specops.extract import load_target
+    from specops.target.inprocess import load_target
     from specops.models import resolve_device, resolve_model_dir
 
     dev = resolve_device("auto")

@@ -34,15 +34,8 @@ from safetensors.torch import save_file  # noqa: E402
 
 from specops.campaign import Campaign  # noqa: E402
 from specops.config import ExtractSection, config_from_dict  # noqa: E402
-from specops.extract import (  # noqa: E402
-    TargetModel,
-    find_decoder,
-    plan_batches,
-    plan_shards,
-    plan_window_batches,
-    plan_windows,
-    run_extract,
-)
+from specops.extract import plan_batches, plan_shards, plan_window_batches, plan_windows, run_extract
+from specops.target.inprocess import TargetModel, find_decoder
 
 
 def target_config(tiny: bool):
@@ -123,7 +116,8 @@ def bare_forward(target: TargetModel, lens: list[int], budget: int, vocab: int) 
 
 
 def specops_extract(target: TargetModel, work: Path, lens: list[int], budget: int, dtype: str,
-                    shard_tokens: int, tail_split: int = 1, tag: str = "", batch_window: int = 1) -> dict:
+                    shard_tokens: int, tail_split: int = 1, tag: str = "", batch_window: int = 1,
+                    writeback: str = "auto") -> dict:
     camp_dir = work / f"camp-{dtype}-{tail_split}{tag}"
     vocab = target.vocab_size
     write_build(camp_dir, lens, vocab)
@@ -131,7 +125,7 @@ def specops_extract(target: TargetModel, work: Path, lens: list[int], budget: in
         "campaign": {"name": "bench", "dir": str(camp_dir)},
         "target": {"model": str(target.model_dir)},
         "extract": {"dtype": dtype, "token_budget": budget, "shard_tokens": shard_tokens, "tail_split": tail_split,
-                    "batch_window": batch_window},
+                    "batch_window": batch_window, "eager_writeback": writeback},
         "datasets": [{"name": "b", "path": str(work / "dummy.jsonl")}],
     })
     camp = Campaign.create_or_open(cfg)
@@ -187,17 +181,13 @@ def main() -> None:
         fp8 = specops_extract(target, work, lens, a.token_budget, "float8_e4m3fn", a.shard_tokens, batch_window=bw)
         tail = (specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, a.tail_split,
                                 batch_window=bw) if a.tail_split > 1 else None)  # fmt: skip
-        from specops import extract as ex
+        from specops.features import resolve_writeback
 
-        default = ex._writeback_mode()  # what the runs above used
+        default = resolve_writeback("auto")  # what the runs above used
         flipped = None
         if a.writeback_ab:  # the default writeback mode vs its opposite (off, or async where it is off)
-            ex._EAGER_WRITEBACK = "async" if default == "off" else "off"
-            try:
-                flipped = specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, tag="-wb",
-                                          batch_window=bw)  # fmt: skip
-            finally:
-                ex._EAGER_WRITEBACK = default
+            flipped = specops_extract(target, work, lens, a.token_budget, "bfloat16", a.shard_tokens, tag="-wb",
+                                      batch_window=bw, writeback="async" if default == "off" else "off")
         res = {
             "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
             "model": "tiny" if a.tiny else "llama-8B-shaped random (H4096, L32, V128256)",

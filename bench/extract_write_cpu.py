@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO / "src"))
 from safetensors.torch import save_file  # noqa: E402
 
 from specops import extract  # noqa: E402
+from specops.features import feature_bytes_per_token, resolve_writeback, shard_digest, shard_layout  # noqa: E402
 
 
 class StandInTarget:
@@ -109,12 +110,13 @@ def make_split(root: Path, lengths: list[int], shard_tokens: int) -> extract._Sp
     )
 
 
-def run_write_path(sp: extract._Split, target: StandInTarget, token_budget: int, verify: bool) -> dict:
+def run_write_path(sp: extract._Split, target: StandInTarget, token_budget: int, verify: bool,
+                   writeback: str = "off") -> dict:
     """Every shard of `sp` through `_extract_shard` + the pipeline, as `run_extract` drives them."""
     shutil.rmtree(sp.out_dir, ignore_errors=True)
     sp.out_dir.mkdir(parents=True)
     target.slept = 0.0
-    pipe = extract._Pipeline(torch.device("cpu"), token_budget)
+    pipe = extract._Pipeline(torch.device("cpu"), token_budget, writeback=writeback)
     t0 = time.perf_counter()
     dones: list[dict] = []
     try:
@@ -135,7 +137,7 @@ def run_write_path(sp: extract._Split, target: StandInTarget, token_budget: int,
     assert len(dones) == len(sp.shards) and all((sp.out_dir / d["name"]).is_file() for d in dones)
     if verify:  # the sidecar's digest is the file's (read back here, outside the timed part)
         for d in dones:
-            assert extract.shard_digest(sp.out_dir / d["name"]) == d["digest"], d["name"]
+            assert shard_digest(sp.out_dir / d["name"]) == d["digest"], d["name"]
     shutil.rmtree(sp.out_dir)
     return {
         "bytes": nbytes,
@@ -191,32 +193,26 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     if a.staged:
         extract._STAGE_CPU = True
-    eager = getattr(extract, "_EAGER_WRITEBACK", None)  # None: a version of extract.py without it
-    if a.eager_writeback != "auto":
-        if eager is None:
-            sys.exit(f"--eager-writeback {a.eager_writeback}: {extract.__file__} has no eager writeback")
-        extract._EAGER_WRITEBACK = {"on": "sync"}.get(a.eager_writeback, a.eager_writeback)
-    if hasattr(extract, "_writeback_mode"):
-        eager = extract._writeback_mode()
+    eager = resolve_writeback({"on": "sync"}.get(a.eager_writeback, a.eager_writeback))
 
     root = a.dir / f"extract-write-bench-{os.getpid()}"
     root.mkdir(parents=True)
     try:
-        bpt = extract.feature_bytes_per_token(a.hidden, "bfloat16", a.n_aux)
+        bpt = feature_bytes_per_token(a.hidden, "bfloat16", a.n_aux)
         g = torch.Generator().manual_seed(0)
         lengths: list[int] = []
         while sum(lengths) * bpt < a.gb * 1e9:
             lengths.append(int(torch.randint(a.min_len, a.max_len + 1, (1,), generator=g)))
         sp = make_split(root, lengths, a.shard_tokens)
         file_bytes = sum(
-            extract.shard_layout(s.n_tokens, s.n_samples, a.hidden, "bfloat16", a.n_aux)[2] for s in sp.shards
+            shard_layout(s.n_tokens, s.n_samples, a.hidden, "bfloat16", a.n_aux)[2] for s in sp.shards
         )
         target = StandInTarget(a.hidden, a.n_aux, max(a.token_budget, a.max_len))
         reps = []
         for r in range(a.repeats):
             rep: dict = {"dd": run_dd(root / "dd.bin", file_bytes)}
             target.delay_per_token = 0.0
-            rep["raw"] = run_write_path(sp, target, a.token_budget, a.verify)
+            rep["raw"] = run_write_path(sp, target, a.token_budget, a.verify, eager)
             rep["raw"]["ratio_to_dd"] = round(rep["raw"]["gb_s"] / rep["dd"]["gb_s"], 3)
             if a.pace > 0 or a.pace_gbs > 0:
                 # Feature bytes at pace x dd's rate (or pace_gbs) -> seconds per padded token of the emulated forward.
@@ -228,7 +224,7 @@ def main() -> None:
                 rate = a.pace_gbs if a.pace_gbs > 0 else a.pace * rep["dd"]["gb_s"]
                 forward_s = real_tokens * bpt / (rate * 1e9)
                 target.delay_per_token = forward_s / padded
-                rep["paced"] = run_write_path(sp, target, a.token_budget, a.verify)
+                rep["paced"] = run_write_path(sp, target, a.token_budget, a.verify, eager)
                 rep["paced"]["ratio_to_forward"] = round(rep["paced"]["forward_s"] / rep["paced"]["seconds"], 3)
             reps.append(rep)
             print(f"repeat {r}: dd {rep['dd']['gb_s']:.3f} GB/s | write path {rep['raw']['gb_s']:.3f} GB/s "

@@ -100,7 +100,7 @@ def extract_worker(a: argparse.Namespace) -> None:
 
 def compare_features(one: Path, many: Path) -> dict[str, object]:
     """Same samples, ids and masks exactly; the features' largest absolute and relative differences."""
-    from specops.extract import read_split
+    from specops.features import read_split
 
     a, b = read_split(one, dequantize=True), read_split(many, dequantize=True)
     if sorted(a) != sorted(b):

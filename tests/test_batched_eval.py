@@ -19,7 +19,7 @@ from specops.errors import ConfigError
 from specops.evaluate.batched import BatchedLoop, accept_rows, run_batched
 from specops.evaluate.fast_drafter import StaticDrafterRunner
 from specops.evaluate.fast_target import StaticTargetRunner
-from specops.evaluate.specdec import accept, speculative_generate
+from specops.evaluate.loop import accept, speculative_generate
 
 from test_fast_target import chat_target_and_drafter, debug_drafter, greedy_reference, load, make_target, rand_ids
 
@@ -97,7 +97,7 @@ def test_batched_eos_ends_a_turn_like_batch1(small):
         ref = batch1(target, d, p, k=3, n=24, eos=eos)
         toks, acc = got[i][0][1], got[i][0][2]
         assert acc == ref.accepted
-        from specops.evaluate.specdec import _finish
+        from specops.evaluate.loop import finish_tokens as _finish
 
         assert _finish(toks, 24, eos)[0] == ref.tokens
     assert len(got[0][0][1]) < 24  # the eos ended the first turn early

@@ -522,7 +522,7 @@ def test_no_records_is_an_input_error(tmp_path):
 
 
 def test_repeating_tokens_marks_later_copies_within_a_turn_only():
-    from specops.build import repeating_tokens
+    from specops.text import repeating_tokens
 
     ids = np.array([9, 1, 2, 3, 1, 2, 3, 1, 2, 8, 1, 2, 3, 1], dtype=np.int32)
     mask = np.array([0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1], dtype=np.uint8)
@@ -557,7 +557,7 @@ def _loop_campaign(tmp_path: Path, tok, **build):
 def test_build_counts_masks_or_drops_greedy_loops(tmp_path, tok, policy, caplog):
     """A looping answer: counted in the manifest under every policy (a warning under keep); mask sets
     its later copies' loss_mask to 0 and keeps the ids; drop excludes it with reason "repetitive"."""
-    from specops.build import repeating_tokens
+    from specops.text import repeating_tokens
 
     cfg, camp, recs = _loop_campaign(tmp_path, tok, repetition=policy)
     with caplog.at_level("WARNING", logger="specops.build"):

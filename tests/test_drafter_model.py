@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from specops.drafter.model import STATE_DICT_KEYS, DrafterConfig, Eagle3Drafter, default_aux_layer_ids
+from specops.drafter.model import STATE_DICT_KEYS, DrafterConfig, Eagle3Drafter
+from specops.target import default_aux_layer_ids
 
 DESIGN_SHAPES = {  # DESIGN.md "drafter/": names and shapes, H = 32, target vocab 96, draft vocab 48
     "embed_tokens.weight": (96, 32),

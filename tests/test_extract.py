@@ -21,20 +21,9 @@ from safetensors.torch import save_file
 from specops.campaign import Campaign
 from specops.config import config_from_dict
 from specops.errors import SpecopsError
-from specops.extract import (
-    DIGEST_KIND,
-    CONVENTION,
-    compute_features,
-    feature_bytes_per_token,
-    load_target,
-    plan_batches,
-    plan_shards,
-    plan_window_batches,
-    read_shard,
-    read_split,
-    run_extract,
-    to_storage,
-)
+from specops.extract import plan_batches, plan_shards, plan_window_batches, run_extract
+from specops.features import DIGEST_KIND, CONVENTION, feature_bytes_per_token, read_shard, read_split, to_storage
+from specops.target.inprocess import compute_features, load_target
 
 from tiny_targets import LAYERS as L  # 8: default aux ids [2, 4, 5], all distinct
 from tiny_targets import VOCAB, make_deepseek_and_llava, randomize_norms

@@ -31,17 +31,9 @@ import torch
 from specops import extract
 from specops.config import config_from_dict
 from specops.errors import ConfigError, SpecopsError
-from specops.extract import (
-    compute_features,
-    load_target,
-    plan_batches,
-    plan_shards,
-    plan_window_batches,
-    plan_windows,
-    read_split,
-    run_extract,
-    to_storage,
-)
+from specops.extract import plan_batches, plan_shards, plan_window_batches, plan_windows, run_extract
+from specops.target.inprocess import compute_features, load_target
+from specops.features import read_split, to_storage
 
 from test_extract import (
     digest,
@@ -466,23 +458,23 @@ def test_batch_window_config(tmp_path):
         extract._check_extract_config(c)
 
 
-def test_eager_writeback_mode_from_the_environment():
-    """SPECOPS_EAGER_WRITEBACK: auto (default) = async with >= 8 usable CPUs, else off; 1/sync, 0/off,
-    async as asked; anything else is refused when extract is imported."""
-    from specops import extract
+def test_eager_writeback_mode_from_the_config(monkeypatch, tmp_path):
+    """extract.eager_writeback: auto = async with >= 8 usable CPUs, else off; the others as asked;
+    off wherever sync_file_range is missing; anything else refused when the config loads."""
+    from specops import features
+    from specops.config import config_from_dict
 
-    auto = "async" if extract._usable_cpus() >= 8 else "off"
-    for env, want in ((None, auto), ("auto", auto), ("0", "off"), ("off", "off"), ("1", "sync"), ("SYNC", "sync"),
-                      ("async", "async")):
-        assert extract._resolve_writeback(env) == want, env
-    with pytest.raises(ConfigError, match="SPECOPS_EAGER_WRITEBACK: expected auto, async"):
-        extract._resolve_writeback("sometimes")
-    # the module reads it once, at import
-    code = "from specops import extract; print(extract._EAGER_WRITEBACK)"
-    e = {**os.environ, "SPECOPS_EAGER_WRITEBACK": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "sync", out.stderr[-2000:]
-    e["SPECOPS_EAGER_WRITEBACK"] = "sometimes"
-    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "SPECOPS_EAGER_WRITEBACK: expected auto, async" in out.stderr
+    auto = "async" if features._usable_cpus() >= 8 else "off"
+    if features._sync_file_range is not None:
+        for mode, want in (("auto", auto), ("off", "off"), ("sync", "sync"), ("async", "async")):
+            assert features.resolve_writeback(mode) == want, mode
+    monkeypatch.setattr(features, "_sync_file_range", None)
+    assert {features.resolve_writeback(m) for m in features.WRITEBACK_MODES} == {"off"}
+    with pytest.raises(ValueError, match="expected one of auto, async, sync, off"):
+        features.resolve_writeback("sometimes")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    base = {"datasets": [{"name": "d", "path": str(tmp_path / "p.jsonl")}]}
+    assert config_from_dict(base).extract.eager_writeback == "auto"
+    with pytest.raises(ConfigError, match="eager_writeback"):
+        config_from_dict({**base, "extract": {"eager_writeback": "sometimes"}})
 

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from specops import extract
+from specops import extract, features
 from specops.extract import run_extract
 
 from test_extract import digest, make_campaign, make_llama, shard_files
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-needs_sync_file_range = pytest.mark.skipif(extract._sync_file_range is None, reason="Linux sync_file_range")
+needs_sync_file_range = pytest.mark.skipif(features._sync_file_range is None, reason="Linux sync_file_range")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def recording_sync_file_range(calls: list, result: int = 0, err: int = 0):
     result 0 forwards to the real call (so the kernel really starts the writeback); otherwise it
     sets errno `err` and returns `result` without calling it.
     """
-    real = extract._sync_file_range
+    real = features._sync_file_range
 
     def fake(fd, offset, nbytes, flags):
         calls.append((fd, offset, nbytes, flags))
@@ -57,13 +57,11 @@ def sidecars(d: Path) -> dict[str, dict]:
 def plain_then_eager(tmp_path, llama_dir, monkeypatch, split: str, mode: str = "sync", **fake):
     """Extract one campaign without eager writeback, then prepare a second with it on (`mode`: sync
     or async) and sync_file_range recorded (and, with `fake`, failing). -> (plain, (cfg, eager), calls)."""
-    cfg_a, plain = make_campaign(tmp_path / "plain", llama_dir)
-    second = make_campaign(tmp_path / "eager", llama_dir)
-    monkeypatch.setattr(extract, "_EAGER_WRITEBACK", "off")
+    cfg_a, plain = make_campaign(tmp_path / "plain", llama_dir, eager_writeback="off")
+    second = make_campaign(tmp_path / "eager", llama_dir, eager_writeback=mode)
     run_extract(cfg_a, plain, split=split)
     calls: list = []
-    monkeypatch.setattr(extract, "_EAGER_WRITEBACK", mode)
-    monkeypatch.setattr(extract, "_sync_file_range", recording_sync_file_range(calls, **fake))
+    monkeypatch.setattr(features, "_sync_file_range", recording_sync_file_range(calls, **fake))
     return plain, second, calls
 
 
@@ -81,14 +79,14 @@ def test_eager_writeback_covers_every_row_and_keeps_the_bytes(tmp_path, llama_di
 
     # Only the non-waiting flag, and every range written was handed over: the ranges asked for add up
     # to every tensor's bytes in every shard (each byte is written exactly once).
-    assert calls and {c[3] for c in calls} == {extract._SYNC_FILE_RANGE_WRITE}
+    assert calls and {c[3] for c in calls} == {features._SYNC_FILE_RANGE_WRITE}
     covered = sum(n for _, _, n, _ in calls)
     if mode == "async":  # hints still queued when a shard's fsync starts are dropped: at most every byte
         assert len(set(calls)) == len(calls)
     expected = 0
     for split in ("train", "val"):
         for sh in json.loads((eager.root / "features" / split / "index.json").read_text())["shards"]:
-            _, layout, _ = extract.shard_layout(sh["n_tokens"], sh["n_samples"], 64, "bfloat16")
+            _, layout, _ = features.shard_layout(sh["n_tokens"], sh["n_samples"], 64, "bfloat16")
             for key, (dt, shape, _) in layout.items():
                 expected += dt.itemsize * torch.Size(shape).numel()
     assert covered <= expected if mode == "async" else covered == expected
@@ -100,7 +98,7 @@ def test_eager_writeback_covers_every_row_and_keeps_the_bytes(tmp_path, llama_di
 def test_a_failing_writeback_hint_only_turns_itself_off(tmp_path, llama_dir, monkeypatch, caplog, err, warns, mode):
     plain, (cfg_b, failing), calls = plain_then_eager(tmp_path, llama_dir, monkeypatch, "train", mode,
                                                       result=-1, err=err)
-    with caplog.at_level(logging.WARNING, logger="specops.extract"):
+    with caplog.at_level(logging.WARNING, logger="specops.features"):
         run_extract(cfg_b, failing, split="train")
 
     a, b = (c.root / "features" / "train" for c in (plain, failing))
@@ -132,9 +130,8 @@ def test_async_writeback_never_outlives_the_fd(tmp_path, monkeypatch):
             seen.append("closed")
         return 0
 
-    monkeypatch.setattr(extract, "_EAGER_WRITEBACK", "async")
-    monkeypatch.setattr(extract, "_sync_file_range", slow)
-    w = extract.ShardWriter(tmp_path / "s.safetensors", 64, 4, 16, "bfloat16")
+    monkeypatch.setattr(features, "_sync_file_range", slow)
+    w = features.ShardWriter(tmp_path / "s.safetensors", 64, 4, 16, "bfloat16", writeback="async")
     for row in range(0, 64, 8):
         w.write("final", row, torch.randn(8, 16).to(torch.bfloat16))
     assert started.wait(5)
@@ -148,7 +145,7 @@ def test_shard_writer_byte_range_matches_the_header(tmp_path):
     """`byte_range` (what the writer writes and hands to writeback) agrees with safetensors' offsets."""
     from safetensors import safe_open
 
-    w = extract.ShardWriter(tmp_path / "s.safetensors", 7, 2, 16, "float8_e4m3fn")
+    w = features.ShardWriter(tmp_path / "s.safetensors", 7, 2, 16, "float8_e4m3fn")
     try:
         feats = {
             "aux": torch.randn(7, 3, 16).to(torch.float8_e4m3fn),
@@ -187,7 +184,7 @@ def test_cuda_copies_read_the_features_before_their_memory_is_reused(tmp_path):
     dev = torch.device("cuda")
     H, B, T = 64, 3, 40
     n_tokens = B * T
-    w = extract.ShardWriter(tmp_path / "s.tmp", n_tokens, B, H, "bfloat16")
+    w = features.ShardWriter(tmp_path / "s.tmp", n_tokens, B, H, "bfloat16")
     job = extract._ShardJob(shard=None, writer=w, tmp=w.path, t0=0.0, writes=[])
     pipe = extract._Pipeline(dev, token_budget=n_tokens)
     try:
@@ -235,19 +232,17 @@ def test_write_path_benchmark_runs_and_reports(tmp_path, repo):
 
 
 def test_shard_digest_is_the_sha256_of_its_pieces_digests(tmp_path, monkeypatch):
-    """extract.shard_digest equals the independent definition (test_extract.digest) for pieces that
+    """features.shard_digest equals the independent definition (test_extract.digest) for pieces that
     divide the file, that do not, one piece for all, reads smaller than a piece, and an empty file."""
     import hashlib
-
-    from specops import extract
 
     f = tmp_path / "x"
     f.write_bytes(os.urandom(10_007))
     for unit in (1000, 4096, 10_007, 1 << 20):
-        assert extract.shard_digest(f, unit=unit) == digest(f, unit=unit), unit
-    monkeypatch.setattr(extract, "_READ_CHUNK", 300)  # several reads per piece
-    assert extract.shard_digest(f, unit=1000) == digest(f, unit=1000)
-    assert extract.shard_digest(f, unit=1000) != hashlib.sha256(f.read_bytes()).hexdigest()
+        assert features.shard_digest(f, unit=unit) == digest(f, unit=unit), unit
+    monkeypatch.setattr(features, "_READ_CHUNK", 300)  # several reads per piece
+    assert features.shard_digest(f, unit=1000) == digest(f, unit=1000)
+    assert features.shard_digest(f, unit=1000) != hashlib.sha256(f.read_bytes()).hexdigest()
     e = tmp_path / "e"
     e.write_bytes(b"")
-    assert extract.shard_digest(e) == hashlib.sha256(hashlib.sha256(b"").digest()).hexdigest() == digest(e)
+    assert features.shard_digest(e) == hashlib.sha256(hashlib.sha256(b"").digest()).hexdigest() == digest(e)

@@ -13,9 +13,10 @@ import torch
 
 from specops.config import EvalSection
 from specops.errors import ConfigError, SpecopsError
-from specops.evaluate.fast_drafter import EagerDrafterRunner, StaticDrafterRunner, make_drafter_runner
+from specops.evaluate.fast_drafter import StaticDrafterRunner, make_drafter_runner
+from specops.evaluate.loop import EagerDrafterRunner
 from specops.evaluate.fast_target import StaticTargetRunner
-from specops.evaluate.specdec import speculative_generate
+from specops.evaluate.loop import speculative_generate
 
 from test_fast_target import AUX, HIDDEN, debug_drafter, greedy_reference, load, make_target, rand_ids
 

@@ -21,7 +21,7 @@ import torch
 from specops.drafter.model import DrafterConfig, Eagle3Drafter
 from specops.errors import ConfigError, SpecopsError
 from specops.evaluate.fast_target import StaticTargetRunner, make_target_runner, runner_info
-from specops.evaluate.specdec import TargetRunner, speculative_generate, target_generate
+from specops.evaluate.loop import TargetRunner, speculative_generate, target_generate
 
 AUX = [2, 4, 5]  # the drafter's ids for L = 8
 HIDDEN = 96
@@ -64,7 +64,7 @@ def make_target(path: Path, arch: str = "llama", *, vocab: int = 96, layers: int
 
 
 def load(path: Path, device: str = "cpu"):
-    from specops.extract import load_target
+    from specops.target.inprocess import load_target
 
     return load_target(path, "float32", device)
 
@@ -431,7 +431,7 @@ def test_cuda_graphs_match_eager_and_greedy_is_lossless(tmp_path):
     assert runner_info(graphed) == {"target_runner": "static", "cuda_graphs": True}
     assert isinstance(make_target_runner(target, AUX, "auto"), StaticTargetRunner)  # auto on CUDA: static
     # bf16: every graph passes its first-replay check (no fallback to eager)
-    from specops.extract import load_target
+    from specops.target.inprocess import load_target
 
     bf = StaticTargetRunner(load_target(tmp_path / "t", "bfloat16", "cuda"), AUX)
     p = rand_ids(96, 30, 1)

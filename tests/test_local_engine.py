@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from specops.generate.local import LocalEngine, split_reasoning
+from specops.generate.local import LocalEngine
 from specops.generate.types import ChatRequest, EngineError, RequestRejected, SamplingParams, TransientError
 from specops.models import resolve_model_dir
 
@@ -405,13 +405,3 @@ def test_cancel_and_close(tiny_dirs):
 
     res = asyncio.run(go())
     assert all(isinstance(r, EngineError) and "closed" in str(r) for r in res), res
-
-
-# ---------------------------------------------------------------------------------- helpers
-
-
-def test_split_reasoning():
-    assert split_reasoning("<think>\nhmm\n</think>\n\nAnswer.") == ("Answer.", "hmm")
-    assert split_reasoning("hmm</think>Answer.") == ("Answer.", "hmm")  # template opened the block
-    assert split_reasoning("<think>still thinking") == ("", "still thinking")
-    assert split_reasoning(" plain text ") == (" plain text ", None)

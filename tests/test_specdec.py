@@ -18,13 +18,8 @@ import pytest
 import torch
 
 from specops.drafter.model import DrafterConfig, DraftOut, Eagle3Drafter
-from specops.evaluate.specdec import (
-    TargetRunner,
-    accept,
-    speculative_generate,
-    summarize,
-    target_generate,
-)
+from specops.evaluate.specdec import summarize
+from specops.evaluate.loop import TargetRunner, accept, speculative_generate, target_generate
 
 AUX = [2, 4, 5]  # [2, L//2, L-3] for L = 8
 
@@ -46,7 +41,7 @@ def make_target(path: Path, *, vocab: int, hidden: int = 64, sharp: float = 10.0
 
 
 def load(path: Path):
-    from specops.extract import load_target
+    from specops.target.inprocess import load_target
 
     return load_target(path, "float32", "cpu")
 
@@ -185,7 +180,7 @@ def check_alignment(d: RecordingDrafter, target, prompt: list[int], tokens: list
     states recomputed by a full forward (extract.compute_features) over prompt + output:
     catch-up slots at position t take token x_{t+1} and fc(aux_t); draft j >= 2 takes the previous
     call's output hidden, its argmax draft, and the next position. Returns the catch-up slots seen."""
-    from specops.extract import compute_features
+    from specops.target.inprocess import compute_features
 
     seq = prompt + tokens
     aux = compute_features(target, torch.tensor([seq]), layer_ids=AUX)["aux"][0]  # [len, 3, H]
@@ -239,8 +234,9 @@ def test_overfit_drafter_reaches_high_tau(tiny):
     """Train a real Eagle3Drafter (train.ttt_forward) on the target's greedy continuations of the
     eval prompts: high tau at inference only if the loop feeds (aux_t, x_{t+1}) at position t and
     its own hidden afterwards exactly as training did."""
-    from specops.drafter.train import Sample, Teacher, collate, load_target_head, teacher_targets, ttt_forward
-    from specops.extract import compute_features
+    from specops.drafter.train import Sample, Teacher, collate, teacher_targets, ttt_forward
+    from specops.target.inprocess import load_target_head
+    from specops.target.inprocess import compute_features
 
     target, k = tiny["target"], 3
     ps = tiny["prompts"][1:]  # prompts of >= 2 tokens
@@ -757,7 +753,7 @@ def test_eval_cli_signal_ends_every_worker(tmp_path, chat_target, eval_drafter, 
 def test_export_config_rope_from_transformers5_rope_parameters():
     """A speculators export written by transformers 5 keeps RoPE only in rope_parameters: the
     evaluator must read theta (and scaling) from there, not fall back to 10000 silently."""
-    from specops.evaluate.specdec import drafter_config_from_export
+    from specops.drafter.formats import drafter_config_from_export
 
     layer = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
              "vocab_size": 256, "rms_norm_eps": 1e-5, "max_position_embeddings": 512,
@@ -781,7 +777,7 @@ def test_target_runner_passes_the_cache_under_the_forward_signature_name():
     run without the cache (found on the H200: the cache stayed empty). The runner asks the signature."""
     from types import SimpleNamespace
 
-    from specops.evaluate.specdec import TargetRunner
+    from specops.evaluate.loop import TargetRunner
 
     seen = {}
 

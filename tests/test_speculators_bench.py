@@ -224,7 +224,7 @@ def test_checkpoint_to_export_is_the_same_drafter(tmp_path, target_and_campaign,
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [a - 1 for a in AUX]
     assert "embed_tokens.weight" not in sd  # shared from the target, as the engines do
     # loaded the way `specops eval` loads an export: same logits as the drafter that was saved
-    from specops.evaluate.specdec import drafter_config_from_export
+    from specops.drafter.formats import drafter_config_from_export
 
     ours = Eagle3Drafter(drafter_config_from_export(cfg, L))
     ours.load_state_dict({**{k: v.float() for k, v in sd.items()},

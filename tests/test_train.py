@@ -25,23 +25,12 @@ from safetensors.torch import load_file, save_file
 
 from specops.campaign import Campaign
 from specops.config import load_config
+from specops.target import default_aux_layer_ids
 from specops.drafter.model import DrafterConfig, Eagle3Drafter
-from specops.drafter.train import (
-    Batch,
-    FeatureSplit,
-    TargetHead,
-    Teacher,
-    load_drafter,
-    load_target_head,
-    make_batches,
-    run_train,
-    simulated_tau,
-    linear_soft_ce,
-    teacher_targets,
-    soft_cross_entropy,
-    ttt_forward,
-    ttt_masks,
-)
+from specops.drafter.train import Batch, FeatureSplit, Teacher, make_batches, run_train, linear_soft_ce, teacher_targets, soft_cross_entropy, ttt_forward, ttt_masks
+from specops.target.inprocess import TargetHead, load_target_head
+from specops.drafter.checkpoint import load_drafter
+from specops.measures import simulated_tau
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, DRAFT_VOCAB = 128, 80
@@ -76,13 +65,13 @@ def load_target(path: Path):
 
 @torch.no_grad()
 def target_states(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """aux [n, 3, H] (input-to-layer [2, L//2, L-3] = HF hidden_states index), final [n, H] pre-norm, logits."""
+    """aux [n, 3, H] (the default input-to-layer ids = HF hidden_states indices), final [n, H] pre-norm, logits."""
     cap = {}
     hook = model.model.norm.register_forward_hook(lambda mod, inp, out: cap.update(pre=inp[0].clone()))
     out = model(ids[None], output_hidden_states=True)
     hook.remove()
     L = model.config.num_hidden_layers
-    aux = torch.stack([out.hidden_states[i][0] for i in (2, L // 2, L - 3)], dim=1)
+    aux = torch.stack([out.hidden_states[i][0] for i in default_aux_layer_ids(L)], dim=1)
     return aux, cap["pre"][0], out.logits[0]
 
 
@@ -129,7 +118,7 @@ def write_features(model, seqs, split_dir: Path, *, dtype: str = "bfloat16", per
                        "sha256": hashlib.sha256((split_dir / name).read_bytes()).hexdigest()})
     L = model.config.num_hidden_layers
     (split_dir / "index.json").write_text(json.dumps({
-        "format": "specops-features-v1", "aux_layer_ids": [2, L // 2, L - 3],
+        "format": "specops-features-v1", "aux_layer_ids": default_aux_layer_ids(L),
         "aux_layer_convention": "input-to-layer (= HF hidden_states index)", "final": "pre-norm",
         "hidden_size": model.config.hidden_size, "num_hidden_layers": L, "dtype": dtype,
         "split": split_dir.name, "shards": shards, "complete": True}))
@@ -383,24 +372,24 @@ def test_ttt_attention_under_cpu_autocast_keeps_fp32_scores():
 
 
 def test_ttt_dense_fallback_matches_reference(monkeypatch):
-    """SPECOPS_TTT_DENSE=1 (the A/B baseline) still computes the same unroll."""
+    """train.ttt_attention = "dense" (the reference form) computes the same unroll."""
     import specops.drafter.train as train_mod
 
     drafter, batch, targets = debug_unroll(1, 3)
     fast = ttt_forward(drafter, batch, targets, steps=5, decay=0.8)
-    monkeypatch.setattr(train_mod, "_TTT_DENSE", True)
+    monkeypatch.setattr(train_mod.KERNELS, "ttt_attention", "dense")
     dense = ttt_forward(drafter, batch, targets, steps=5, decay=0.8)
     torch.testing.assert_close(fast.loss, dense.loss, rtol=1e-5, atol=1e-5)
     assert fast.correct.tolist() == dense.correct.tolist()
 
 
 def test_compiled_loss_equals_eager(monkeypatch):
-    """SPECOPS_COMPILE_LOSS=1 on the CPU: the torch.compile'd forward/backward of the soft CE (the
+    """train.compile_loss = "on" on the CPU: the torch.compile'd forward/backward of the soft CE (the
     CUDA default) give the eager values and gradients, through varying row counts (dynamic shapes)."""
     import specops.drafter.train as train_mod
 
     kernels = train_mod._LossKernels()
-    kernels.mode = "1"
+    kernels.mode = "on"
     monkeypatch.setattr(train_mod, "LOSS_KERNELS", kernels)
     g = torch.Generator().manual_seed(0)
     p_all = torch.softmax(3 * torch.randn(40, 512, generator=g), -1)
@@ -425,7 +414,7 @@ def test_linear_soft_ce_equals_autograd_reference(monkeypatch, compiled):
     import specops.drafter.train as train_mod
 
     kernels = train_mod._LossKernels()
-    kernels.mode = "1" if compiled else "0"
+    kernels.mode = "on" if compiled else "off"
     monkeypatch.setattr(train_mod, "LOSS_KERNELS", kernels)
     g = torch.Generator().manual_seed(0)
     V, H = 300, 24
@@ -456,10 +445,10 @@ def test_ttt_unroll_with_the_shared_block_equals_the_dense_unroll(monkeypatch):
     import specops.drafter.train as train_mod
 
     drafter, batch, targets = debug_unroll(2, 5, torch.float64)
-    monkeypatch.setattr(train_mod, "_FUSED_LOSS", "0")
+    monkeypatch.setattr(train_mod.KERNELS, "fused_loss", "off")
     res = []
     for dense in (False, True):
-        monkeypatch.setattr(train_mod, "_TTT_DENSE", dense)
+        monkeypatch.setattr(train_mod.KERNELS, "ttt_attention", "dense" if dense else "block")
         drafter.zero_grad(set_to_none=True)
         out = ttt_forward(drafter, batch, targets, steps=6, decay=0.8)
         out.loss.backward()
@@ -480,25 +469,25 @@ def test_ttt_unroll_with_the_shared_block_equals_the_dense_unroll(monkeypatch):
 
 
 def test_fused_loss_switch_defaults_to_cuda_only(monkeypatch):
-    """SPECOPS_FUSED_LOSS: "auto" (the default) fuses on CUDA only, "1" everywhere, "0" nowhere."""
+    """train.fused_loss: "auto" (the default) fuses on CUDA only, "on" everywhere, "off" nowhere."""
     import specops.drafter.train as train_mod
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    for mode, want in (("auto", (False, True)), ("1", (True, True)), ("0", (False, False))):
-        monkeypatch.setattr(train_mod, "_FUSED_LOSS", mode)
+    for mode, want in (("auto", (False, True)), ("on", (True, True)), ("off", (False, False))):
+        monkeypatch.setattr(train_mod.KERNELS, "fused_loss", mode)
         assert (train_mod.fused_loss_on(cpu), train_mod.fused_loss_on(cuda)) == want, mode
 
 
 def test_ttt_forward_fused_loss_equals_separate(monkeypatch):
     """The TTT unroll with the fused lm_head + CE (the CUDA default) gives the loss, per-step CE sums,
-    hits and every parameter gradient of the separate form (SPECOPS_FUSED_LOSS=0)."""
+    hits and every parameter gradient of the separate form (train.fused_loss = "off")."""
     import specops.drafter.train as train_mod
 
     drafter, batch, targets = debug_unroll(1, 3, torch.float64)
     outs, grads = [], []
-    for fused in ("1", "0"):
-        monkeypatch.setattr(train_mod, "_FUSED_LOSS", fused)
-        assert train_mod.fused_loss_on(torch.device("cpu")) == (fused == "1")
+    for fused in ("on", "off"):
+        monkeypatch.setattr(train_mod.KERNELS, "fused_loss", fused)
+        assert train_mod.fused_loss_on(torch.device("cpu")) == (fused == "on")
         drafter.zero_grad(set_to_none=True)
         out = ttt_forward(drafter, batch, targets, steps=5, decay=0.8)
         out.loss.backward()
@@ -515,7 +504,7 @@ def test_ttt_forward_fused_loss_equals_separate(monkeypatch):
 
 
 def test_compiled_layer_regions_equal_eager(monkeypatch):
-    """SPECOPS_COMPILE_LAYER=1 on the CPU (the CUDA default): the TTT unroll with the drafter layer's
+    """train.compile_layer = "on" on the CPU: the TTT unroll with the drafter layer's
     two regions torch.compile'd gives the eager loss, hits and every parameter gradient, on two
     batches of different shapes (dynamic shapes: no failure, no fallback)."""
     import specops.drafter.model as model_mod
@@ -530,7 +519,7 @@ def test_compiled_layer_regions_equal_eager(monkeypatch):
     for batch in (full, one_row):  # [2, 12], then [1, 12]
         targets = teacher_targets(teacher, batch)
         res = []
-        for mode in ("0", "1"):
+        for mode in ("off", "on"):
             regions = model_mod._LayerRegions()
             regions.mode = mode
             monkeypatch.setattr(model_mod, "LAYER_REGIONS", regions)
@@ -538,7 +527,7 @@ def test_compiled_layer_regions_equal_eager(monkeypatch):
             out = ttt_forward(drafter, batch, targets, steps=4, decay=0.8)
             out.loss.backward()
             res.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}))
-            assert not regions.failed and len(regions.compiled) == (2 if mode == "1" else 0)
+            assert not regions.failed and len(regions.compiled) == (2 if mode == "on" else 0)
         (o0, g0), (o1, g1) = res
         assert o0.count.sum() > 0
         torch.testing.assert_close(o1.loss, o0.loss, rtol=1e-5, atol=1e-6)
@@ -567,12 +556,12 @@ def test_cuda_fused_loss_and_layer_regions_equal_separate_eager(monkeypatch):
     res = []
     for new in (False, True):
         regions = model_mod._LayerRegions()
-        regions.mode = "auto" if new else "0"
+        regions.mode = "auto" if new else "off"
         kernels = train_mod._LossKernels()
-        kernels.mode = "auto" if new else "0"
+        kernels.mode = "auto" if new else "off"
         monkeypatch.setattr(model_mod, "LAYER_REGIONS", regions)
         monkeypatch.setattr(train_mod, "LOSS_KERNELS", kernels)
-        monkeypatch.setattr(train_mod, "_FUSED_LOSS", "1" if new else "0")
+        monkeypatch.setattr(train_mod.KERNELS, "fused_loss", "on" if new else "off")
         drafter.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = ttt_forward(drafter, batch, targets, steps=4, decay=0.8)
@@ -597,7 +586,7 @@ def test_compiled_loss_failure_falls_back_to_eager(monkeypatch, caplog):
         return run
 
     kernels = train_mod._LossKernels()
-    kernels.mode = "1"
+    kernels.mode = "on"
     monkeypatch.setattr(train_mod, "LOSS_KERNELS", kernels)
     monkeypatch.setattr(torch, "compile", broken)
     logits = torch.randn(5, 16, requires_grad=True)
@@ -755,7 +744,7 @@ def test_overfit_loss_falls_and_tau_near_k_plus_1(tiny, tmp_path):
     m = c.read_manifest()["phases"]["train"]
     assert m["state"] == "done" and m["tau"] == val["tau"]
     drafter_manifest = json.loads((camp / "drafter" / "manifest.json").read_text())["train"]
-    assert drafter_manifest["conventions"]["aux_layer_ids"] == [2, 3, 3]
+    assert drafter_manifest["conventions"]["aux_layer_ids"] == default_aux_layer_ids(6) == [1, 3, 5]
     # the final checkpoint loads on its own and carries the campaign's vocab
     ck = Path(summary["checkpoint"])
     assert ck.name == "step-150"
@@ -786,11 +775,11 @@ def test_online_mode_with_features_fn_loss_falls(tiny, tmp_path):
 
 
 def test_default_online_features_fn_is_the_target(tiny):
-    """run_train's default for mode = online: extract.py's target forward, unpadded per sample."""
+    """run_train's default for mode = online: the in-process target's forward, unpadded per sample."""
     from specops.drafter.train import target_features_fn
 
     fn = target_features_fn(tiny["target"], torch.device("cpu"))
-    assert fn.aux_layer_ids == [2, 3, 3]
+    assert fn.aux_layer_ids == default_aux_layer_ids(6) == [1, 3, 5]
     seqs = [ids for ids, _ in tiny["val"][:3]]
     assert len({len(s) for s in seqs}) > 1  # right padding is exercised
     out = fn(seqs)
@@ -927,9 +916,10 @@ def test_prefetch_thread_changes_nothing_but_speed(tiny, tmp_path, monkeypatch):
 
 
 def test_torch_load_is_weights_only():
-    src = (REPO / "src" / "specops" / "drafter" / "train.py").read_text()
-    calls = re.findall(r"torch\.load\(([^)]*)\)", src)
-    assert calls and all("weights_only=True" in c for c in calls)
+    """Every torch.load in the package (checkpoints, third-party drafter dirs) refuses pickled code."""
+    calls = {f"{p.name}: {c}" for p in (REPO / "src" / "specops").rglob("*.py")
+             for c in re.findall(r"torch\.load\(([^)]*)\)", p.read_text())}
+    assert len(calls) >= 3 and all("weights_only=True" in c for c in calls), calls
 
 
 def test_ttt_ops_bench_runs_and_reports(tmp_path):
@@ -987,7 +977,7 @@ def test_init_norm_from_target_starts_the_drafter_readout_as_the_targets(tiny, t
     """train.init_norm_from_target: the drafter's final norm starts at the target's final norm weight
     (the tiny target's is uniform in 0.5..1.5), so with the frozen lm_head its readout starts as the
     target's; by default it starts at ones. One step at lr 1e-9 leaves either where it began."""
-    from specops.drafter.train import load_target_head
+    from specops.target.inprocess import load_target_head
 
     common = {**BASE, "lr": 1e-9, "total_steps": 1, "batch_tokens": 96, "eval_every": 1000, "checkpoint_every": 1000}
     want = load_target_head(tiny["target"]).norm_weight.float()
@@ -1053,7 +1043,7 @@ def test_mask_repetition_trains_without_greedy_loops_and_validates_as_before(tin
     window of their turn (the tiny target's greedy sequences loop); val positions are unchanged."""
     import numpy as np
 
-    from specops.build import repeating_tokens
+    from specops.text import repeating_tokens
     from specops.drafter.train import FeatureSplit, without_repeats
 
     a, b = train_ab(tiny, tmp_path, {"mask_repetition": True})

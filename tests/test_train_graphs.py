@@ -15,19 +15,8 @@ from safetensors.torch import load_file
 from specops.config import load_config
 from specops.drafter.graphs import GraphedMicroStep
 from specops.drafter.model import DrafterConfig, Eagle3Drafter
-from specops.drafter.train import (
-    Sample,
-    TargetHead,
-    Teacher,
-    bucketed,
-    collate,
-    linear_soft_ce,
-    make_batches,
-    run_train,
-    teacher_targets,
-    ttt_forward,
-    ttt_forward_static,
-)
+from specops.drafter.train import Sample, Teacher, bucketed, collate, linear_soft_ce, make_batches, run_train, teacher_targets, ttt_forward, ttt_forward_static
+from specops.target.inprocess import TargetHead
 
 from test_train import BASE, _packed_batch, metrics, seed_campaign, tiny  # noqa: F401 (tiny: a fixture)
 
@@ -51,19 +40,19 @@ def _run(drafter, fn):
     return out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("fused", ["1", "0"])
+@pytest.mark.parametrize("fused", ["on", "off"])
 def test_static_unroll_equals_the_selecting_unroll(monkeypatch, fused):
     """Loss, per-step CE sums, hits, counts and every parameter gradient: the same in fp64, with the
     fused lm_head + CE (the CUDA default) and the separate form."""
     import specops.drafter.train as train_mod
 
-    monkeypatch.setattr(train_mod, "_FUSED_LOSS", fused)
+    monkeypatch.setattr(train_mod.KERNELS, "fused_loss", fused)
     drafter, teacher, batch = _setup()
     K = 5
     dyn, g_dyn = _run(drafter, lambda: ttt_forward(drafter, batch, teacher_targets(teacher, batch), steps=K, decay=0.8))
     sta, g_sta = _run(drafter, lambda: ttt_forward_static(drafter, teacher, batch, steps=K, decay=0.8))
     # the separate form's CE runs in fp32 even on fp64 logits (its scale applies in another order): fp32 tolerances
-    tol = dict(rtol=1e-9, atol=1e-12) if fused == "1" else dict(rtol=1e-5, atol=1e-7)
+    tol = dict(rtol=1e-9, atol=1e-12) if fused == "on" else dict(rtol=1e-5, atol=1e-7)
     tol["check_dtype"] = False
     torch.testing.assert_close(sta.loss, dyn.loss, **tol)
     torch.testing.assert_close(sta.ce_sum, dyn.ce_sum, **tol)

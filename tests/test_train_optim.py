@@ -106,7 +106,7 @@ def test_muon_frozen_head_linear_run_learns_and_resumes_exactly(tiny, tmp_path):
         (Path(s_whole["checkpoint"]) / "drafter_config.json").read_text())))
     assert first.lm_head.weight.shape == wa["lm_head.weight"].shape
     # lm_head never moved: equal to the target's rows of the draft vocab (what init_from_target copies)
-    from specops.drafter.train import load_target_head
+    from specops.target.inprocess import load_target_head
     head = load_target_head(tiny["target"])
     rows = torch.arange(wa["d2t"].numel()) + wa["d2t"]
     torch.testing.assert_close(wa["lm_head.weight"], head.lm_head[rows].to(wa["lm_head.weight"].dtype))

@@ -75,7 +75,7 @@ def smollm2_random_drafter(k_seed: int = 0):
     from transformers import AutoTokenizer
 
     from specops.drafter.model import DrafterConfig, Eagle3Drafter
-    from specops.drafter.train import load_target_head
+    from specops.target.inprocess import load_target_head
     from specops.models import resolve_model_dir
 
     md = resolve_model_dir("smollm2")

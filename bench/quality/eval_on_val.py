@@ -52,8 +52,8 @@ def val_prompts(build_dir: Path, n: int) -> list[tuple[list[int], list[int]]]:
 
 def repeated_share(tokens: list[int], n: int = 16) -> float:
     """Share of tokens that repeat an n-token window already seen earlier in `tokens` (the
-    build's measure, build.repeating_tokens, over one turn)."""
-    from specops.build import count_repeating
+    build's measure, text.repeating_tokens, over one turn)."""
+    from specops.text import count_repeating
 
     return count_repeating(tokens, n) / len(tokens) if tokens else 0.0
 
@@ -90,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from specops.evaluate.report import _simulated_tau
-    from specops.evaluate.specdec import TargetRunner, _eos_ids, load_eval_drafter, speculative_generate
-    from specops.extract import load_target
+    from specops.measures import simulated_tau
+    from specops.evaluate.specdec import _eos_ids, load_eval_drafter
+    from specops.evaluate.loop import TargetRunner, speculative_generate
+    from specops.target.inprocess import load_target
 
     prompts = val_prompts(a.campaign / "build", a.samples)
     if not prompts:
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         vals = [v for v in vals if v.get("split") == "val"]
         if vals:
             out["training_val"] = {"step": vals[-1]["step"], "acc": vals[-1]["acc"],
-                                   "simulated_tau": _simulated_tau(vals[-1]["acc"])}
+                                   "simulated_tau": simulated_tau(vals[-1]["acc"])}
     print(json.dumps(out, indent=1))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

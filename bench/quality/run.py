@@ -405,7 +405,7 @@ def _sweep_run(camp: Path, variant: dict[str, Any]) -> dict[str, Any]:
     ours), and the train + export wall seconds from the campaign manifest."""
     import datetime
 
-    from specops.evaluate.report import _simulated_tau
+    from specops.measures import simulated_tau
 
     rows = [json.loads(x) for x in (camp / "drafter" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     vals = [r for r in rows if r.get("split") == "val"]
@@ -420,8 +420,8 @@ def _sweep_run(camp: Path, variant: dict[str, Any]) -> dict[str, Any]:
     if not (export / "vllm" / "config.json").is_file():
         raise SystemExit(f"sweep: no vllm export under {export}")
     return {**{k: x for k, x in variant.items() if k != "name"}, "variant": variant["name"], "campaign": str(camp),
-            "val": val, "sim_tau": _simulated_tau(val["acc"]),
-            "sim_tau_head": _simulated_tau(val["acc_head"]) if val.get("acc_head") else None,
+            "val": val, "sim_tau": simulated_tau(val["acc"]),
+            "sim_tau_head": simulated_tau(val["acc_head"]) if val.get("acc_head") else None,
             "train_tokens_per_s": rate.get("tokens_per_s"), "train_tokens_per_s_all": rate.get("tokens_per_s_all"),
             "train_steps": rate.get("steps"), "train_elapsed_s": rate.get("elapsed_s"),
             "wall_s": (t(ph["export"]["done_at"]) - t(ph["train"]["running_at"])).total_seconds(),

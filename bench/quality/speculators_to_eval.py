@@ -8,7 +8,7 @@ model.safetensors), or the save path itself (then `checkpoint_best`, else the hi
 Why not point `eval.drafter` at the checkpoint directly: specops reads speculators dirs, but this
 checkpoint's `transformer_layer_config` is what transformers 5 writes (`PretrainedConfig.to_diff_dict`):
 RoPE sits in `rope_parameters`, with no top-level `rope_theta`, and specops' export reader
-(evaluate/specdec.py `drafter_config_from_export`) would fall back to rope_theta 10000 (a
+(drafter/formats.py `drafter_config_from_export`) would fall back to rope_theta 10000 (a
 different RoPE than the one trained, silently). Here the config is rebuilt through the
 transformers config class (every default filled in, rope_parameters -> rope_theta/rope_scaling),
 and specops' own `export_vllm` writes and re-checks the result.
@@ -179,8 +179,8 @@ def verify(ckpt: Path, export_dir: Path, target: Path, *, T: int = 64, seed: int
     """Max |logit difference| per TTT step between speculators' model (its checkpoint) and ours (the export)."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    from specops.drafter.export import load_exported
-    from specops.evaluate.specdec import drafter_config_from_export  # read-only use
+    from specops.drafter.formats import load_exported
+    from specops.drafter.formats import drafter_config_from_export  # read-only use
     from specops.drafter.model import Eagle3Drafter
 
     config = Eagle3SpeculatorConfig.from_pretrained(str(ckpt))

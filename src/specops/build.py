@@ -51,14 +51,15 @@ import numpy as np
 import orjson
 
 from . import __version__
-from .campaign import Campaign, RunLock, _fsync_dir, atomic_write_json, now_iso
+from .campaign import Campaign, RunLock, atomic_write_json, fsync_dir, fsync_file, now_iso
 from .config import BuildSection, Config
 from .errors import ConfigError, InputError, Interrupted
+from .target import text_config
+from .text import has_think_tags, repeating_tokens, wrap_reasoning
 
 log = logging.getLogger("specops.build")
 
 FORMAT = "specops-build-v1"
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # Exclusion reasons, in the order they are checked (a record gets the first that applies).
 REASONS = (
     "malformed",  # not a JSON object, no id, or turns that do not point at assistant messages
@@ -91,11 +92,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def wrap_reasoning(reasoning: str, content: str | None) -> str:
-    """DESIGN's training text for a template without a reasoning field."""
-    return f"{THINK_OPEN}\n{reasoning.strip(chr(10))}\n{THINK_CLOSE}\n\n{(content or '').lstrip(chr(10))}"
 
 
 def _message_reasoning(msg: dict[str, Any]) -> str:
@@ -339,7 +335,7 @@ def content_problem(record: dict[str, Any]) -> str | None:
             return "malformed"
         if not (content or "").strip() and not m.get("tool_calls"):
             return "empty_content"
-        if THINK_OPEN in (content or "") or THINK_CLOSE in (content or ""):
+        if has_think_tags(content):
             return "stray_think_marker"
     return None
 
@@ -483,32 +479,6 @@ class _DatasetStats:
 REPETITION_WARN_SHARE = 0.10
 
 
-def repeating_tokens(ids: np.ndarray, mask: np.ndarray, n: int) -> np.ndarray:
-    """bool [T]: loss tokens (mask 1) whose n tokens ending at them occurred earlier in the same
-    run of loss tokens (one generated turn). The first occurrence of a loop stays False; every
-    later copy is True, so masking them keeps the text once."""
-    out = np.zeros(len(ids), dtype=bool)
-    m = np.concatenate(([0], mask.astype(np.int8), [0]))
-    edges = np.flatnonzero(np.diff(m))  # run starts and stops, alternating
-    for start, stop in zip(edges[::2], edges[1::2]):
-        seen: set[bytes] = set()
-        run = np.ascontiguousarray(ids[start:stop])
-        for i in range(n - 1, len(run)):
-            key = run[i - n + 1:i + 1].tobytes()
-            if key in seen:
-                out[start + i] = True
-            else:
-                seen.add(key)
-    return out
-
-
-def count_repeating(tokens: Any, n: int) -> int:
-    """How many of one generated turn's tokens repeat an n-token window of it (repeating_tokens
-    over a turn with no prompt)."""
-    ids = np.asarray(tokens, dtype=np.int64)
-    return int(repeating_tokens(ids, np.ones(len(ids), dtype=np.uint8), n).sum())
-
-
 def check_build_section(b: BuildSection) -> None:
     if not 0 <= b.val_fraction < 1:
         raise ConfigError(f"build.val_fraction: must be in [0, 1), got {b.val_fraction}")
@@ -531,7 +501,7 @@ def _target_info(cfg: Config) -> tuple[Path, Path, int, set[int]]:
     model_dir = resolve_model_dir(cfg.target.model)
     tok_dir = Path(cfg.target.tokenizer) if cfg.target.tokenizer else model_dir
     mcfg = AutoConfig.from_pretrained(str(model_dir))
-    text_cfg = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+    text_cfg = text_config(mcfg)
     vocab = getattr(text_cfg, "vocab_size", None)
     if not vocab:
         raise InputError(f"{model_dir}/config.json: no vocab_size")
@@ -845,15 +815,7 @@ def _save_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     from safetensors.numpy import save_file
 
     save_file(tensors, str(path), metadata={"format": FORMAT})
-    _fsync_file(path)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(path)
 
 
 def _write_split(out: Path, name: str, samples: list[_Sample]) -> None:
@@ -894,8 +856,8 @@ def _publish(root: Path, tmp: Path, manifest: dict[str, Any]) -> None:
             n += 1
     manifest["archived_previous"] = archive.name if archive else None
     atomic_write_json(tmp / "manifest.json", manifest)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if archive is not None:
         os.rename(final, archive)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)

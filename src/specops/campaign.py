@@ -47,7 +47,7 @@ def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
         tmp.unlink(missing_ok=True)  # never leave a temp file behind (e.g. on ENOSPC)
         raise
     if fsync:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
 def atomic_write_json(path: Path, obj: Any, *, fsync: bool = True) -> None:
@@ -62,7 +62,18 @@ def read_json(path: Path, default: Any = None) -> Any:
         return default
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_file(path: Path) -> None:
+    """fsync one file (or directory) by path; errors propagate: a checkpoint or split that cannot
+    be made durable must not be published."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Best effort fsync of a directory entry list (after a rename into it)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

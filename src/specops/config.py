@@ -58,6 +58,7 @@ class EngineSection:
     device: str = "auto"  # auto: cuda if available else cpu
     batch_size: int = 8
     max_model_len: int = 2048
+    cuda_graphs: bool = True  # local engine: the decode step replays CUDA graphs on CUDA
 
 
 @dataclass(kw_only=True)
@@ -189,6 +190,9 @@ class ExtractSection:
     batch_window: int = 8
     device: str = "auto"  # auto: cuda:<LOCAL_RANK> if available else cpu
     mode: Literal["offline", "online"] = "offline"  # online: training computes features in process
+    # Where the kernel is asked to start writing each written range to disk (features.resolve_writeback):
+    # auto = async with >= 8 usable CPUs, else off.
+    eager_writeback: Literal["auto", "async", "sync", "off"] = "auto"
 
 
 @dataclass(kw_only=True)
@@ -242,6 +246,13 @@ class TrainSection:
     norm_before_residual: bool = False
     device: str = "auto"  # auto: cuda:<LOCAL_RANK> if available else cpu
     seed: int | None = None  # default: campaign.seed
+    # How the step is computed, never what (drafter/model.py KernelOptions): the same loss and
+    # gradients up to rounding; "auto" = on CUDA.
+    ttt_attention: Literal["block", "dense"] = "block"
+    fused_loss: Literal["auto", "on", "off"] = "auto"
+    compile_loss: Literal["auto", "on", "off"] = "auto"
+    compile_layer: Literal["auto", "on", "off"] = "off"
+    sdpa_cudnn: bool = False
 
     def __post_init__(self) -> None:
         for k in ("ttt_steps", "epochs", "batch_tokens", "grad_accum", "log_every", "eval_every",
@@ -309,6 +320,7 @@ class EvalSection:
     # acceptance of a whole eval set at a fraction of the batch-1 time; no wall-clock speedup, so it
     # needs baseline = false and workers = 1.
     batch_size: int = 1
+    cuda_graphs: bool = True  # static runners replay CUDA graphs on CUDA (decode, verify, the drafter chain)
 
     def __post_init__(self) -> None:
         if not self.datasets:

@@ -64,7 +64,6 @@ import argparse
 import collections
 import concurrent.futures
 import contextlib
-import ctypes
 import datetime
 import errno
 import hashlib
@@ -72,7 +71,6 @@ import json
 import logging
 import os
 import shutil
-import struct
 import sys
 import threading
 import time
@@ -81,576 +79,29 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from torch import nn
 
 from .campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json
 from .config import Config, load_config
 from .errors import ConfigError, DiskFull, InputError, SpecopsError
-from .models import resolve_device, resolve_dtype
-from .models import resolve_model_dir
+from .features import (
+    CONVENTION,
+    DIGEST_KIND,
+    FORMAT,
+    ShardWriter,
+    _usable_cpus,
+    feature_bytes_per_token,
+    shard_digest,
+    sha256_file,
+    shard_layout,
+    to_storage,
+)
+from .models import resolve_dtype, resolve_model_dir
+from .target import default_aux_layer_ids, read_text_config
+from .target.inprocess import TargetModel, compute_features, load_target
 
 log = logging.getLogger("specops.extract")
 
-FORMAT = "specops-features-v1"
-CONVENTION = "input-to-layer (= HF hidden_states index)"
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SPLITS = ("train", "val")
-
-_STORE_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
-_ST_NAMES = {  # safetensors header dtype names
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-}
-# Decoder stacks (embed_tokens, layers, norm) inside the HF wrappers, most specific first:
-# multimodal ForConditionalGeneration (transformers 5: model.language_model; 4.x: language_model.model),
-# then plain ForCausalLM (model).
-_DECODER_PATHS = ("model.language_model", "language_model.model", "language_model", "model")
-
-
-def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
-    """vLLM/speculators default, input-to-layer ids: [2, L//2, L-3]."""
-    L = num_hidden_layers
-    return [2, L // 2, L - 3]
-
-
-# ---------------------------------------------------------------------------------------- target
-
-
-@dataclass(eq=False)
-class TargetModel:
-    """A loaded target with the pieces EAGLE-3 needs; `decoder` is the text stack inside `model`."""
-
-    model: nn.Module  # the HF model as loaded (ForCausalLM or a multimodal wrapper)
-    decoder: nn.Module  # embed_tokens, layers, norm; its forward runs the text stack without lm_head
-    lm_head: nn.Module
-    config: Any  # the text config
-    model_dir: Path
-    device: torch.device
-    dtype: torch.dtype
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return int(self.config.num_hidden_layers)
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config.hidden_size)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.lm_head.weight.shape[0])
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.decoder.layers
-
-    @property
-    def norm(self) -> nn.Module:
-        return self.decoder.norm
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self.decoder.embed_tokens
-
-    def forward_features(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        layer_ids: Sequence[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids [B, T] -> (aux [B, T, len(layer_ids), H], final [B, T, H]), model dtype, on device.
-
-        attention_mask None: rows are unpadded or RIGHT-padded; positions are 0..T-1 and the
-        causal mask alone keeps real tokens exact. attention_mask [B, T] (1 = real token): any
-        padding side; positions count real tokens only. Values at padded positions are garbage.
-        Runs under the caller's grad mode (see `compute_features`).
-        """
-        L, H = self.num_hidden_layers, self.hidden_size
-        ids = list(default_aux_layer_ids(L) if layer_ids is None else layer_ids)
-        for i in ids:
-            if not 0 <= i <= L:
-                raise ValueError(f"aux layer id {i} out of range 0..{L} (input-to-layer ids)")
-        input_ids = input_ids.to(self.device, torch.long)
-        B, T = input_ids.shape
-        aux = torch.empty(B, T, len(ids), H, dtype=self.dtype, device=self.device)
-        final = torch.empty(B, T, H, dtype=self.dtype, device=self.device)
-
-        # One pre-hook per module; layer id L is the norm's input, the same tensor as `final`.
-        targets: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
-        for j, i in enumerate(ids):
-            targets[i].append(aux[:, :, j])
-        targets[L].append(final)
-        fired = collections.Counter()
-
-        def make_hook(i: int, dests: list[torch.Tensor]):
-            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-                h = args[0] if args else kwargs["hidden_states"]
-                if h.shape != (B, T, H):
-                    raise SpecopsError(
-                        f"{type(module).__name__} (input to layer {i}) got a hidden state of shape "
-                        f"{tuple(h.shape)}, expected {(B, T, H)}: unsupported decoder structure"
-                    )
-                for d in dests:
-                    d.copy_(h)  # copy at once: the layer may reuse or free its input
-                fired[i] += 1
-
-            return hook
-
-        handles = []
-        try:
-            for i, dests in targets.items():
-                module = self.norm if i == L else self.layers[i]
-                handles.append(module.register_forward_pre_hook(make_hook(i, dests), with_kwargs=True))
-            kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
-            if attention_mask is not None:
-                mask = attention_mask.to(self.device, torch.long)
-                kwargs["attention_mask"] = mask
-                kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp_(min=0)
-            self.decoder(**kwargs)
-        finally:
-            for h in handles:
-                h.remove()
-        if any(fired[i] != 1 for i in targets):
-            raise SpecopsError(
-                f"{type(self.decoder).__name__}: hooks fired {dict(fired)} times for layers {sorted(targets)} "
-                "(expected once each): unsupported decoder structure"
-            )
-        return aux, final
-
-
-def read_text_config(model_dir: str | os.PathLike[str]) -> Any:
-    """The text part of a model's config (itself for plain LMs, `text_config` for wrappers). Cheap."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(model_dir)).get_text_config()
-
-
-def _get_path(root: nn.Module, path: str) -> nn.Module | None:
-    m: Any = root
-    for part in path.split("."):
-        m = getattr(m, part, None)
-        if m is None:
-            return None
-    return m if isinstance(m, nn.Module) else None
-
-
-def find_decoder(model: nn.Module, num_hidden_layers: int) -> nn.Module:
-    """The module holding `embed_tokens`, `layers` (>= L of them) and `norm` inside an HF model."""
-
-    def is_decoder(m: nn.Module | None) -> bool:
-        return (
-            m is not None
-            and isinstance(getattr(m, "layers", None), nn.ModuleList)
-            and len(m.layers) >= num_hidden_layers
-            and isinstance(getattr(m, "embed_tokens", None), nn.Module)
-            and isinstance(getattr(m, "norm", None), nn.Module)
-        )
-
-    for path in _DECODER_PATHS:
-        m = _get_path(model, path)
-        if is_decoder(m):
-            return m
-    found = [name for name, m in model.named_modules() if is_decoder(m)]
-    if len(found) == 1:
-        return model.get_submodule(found[0])
-    raise SpecopsError(
-        f"{type(model).__name__}: cannot find the text decoder (a module with embed_tokens, "
-        f"{num_hidden_layers} layers and norm); candidates: {found or 'none'}"
-    )
-
-
-def load_target(
-    model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"
-) -> TargetModel:
-    """Load a causal LM, or a multimodal wrapper whose language model sits under `text_config`.
-
-    dtype "auto": bf16 on CUDA, fp32 on CPU. Weights go straight to `device` (no CPU staging copy).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    model_dir = Path(model_dir)
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    config = AutoConfig.from_pretrained(str(model_dir))
-    # The auto mappings are keyed by config class: plain LMs (and some wrappers, e.g. Gemma3) are
-    # causal LMs; Llava/Mistral3/Qwen-VL-style wrappers are image-text-to-text models.
-    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
-        if type(config) in auto._model_mapping:
-            break
-    else:
-        raise SpecopsError(
-            f"{model_dir}: model type {config.model_type!r} is neither a causal LM nor an "
-            "image-text-to-text model transformers knows"
-        )
-    model = auto.from_pretrained(str(model_dir), dtype=dt, device_map={"": str(dev)})
-    model.eval().requires_grad_(False)
-    text_config = config.get_text_config()
-    decoder = find_decoder(model, int(text_config.num_hidden_layers))
-    lm_head = model.get_output_embeddings()
-    if lm_head is None:
-        raise SpecopsError(f"{type(model).__name__}: no lm_head (output embeddings)")
-    return TargetModel(
-        model=model,
-        decoder=decoder,
-        lm_head=lm_head,
-        config=getattr(decoder, "config", text_config),
-        model_dir=model_dir,
-        device=dev,
-        dtype=dt,
-    )
-
-
-def compute_features(
-    target: TargetModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    layer_ids: Sequence[int] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Online features: {"aux": [B, T, 3, H], "final": [B, T, H] (pre-norm)} in the model's dtype.
-
-    The computation `run_extract` stores (then casts/quantizes with `to_storage`). no_grad rather
-    than inference_mode, so a trainer can feed the results into autograd.
-    """
-    with torch.no_grad():
-        aux, final = target.forward_features(input_ids, attention_mask, layer_ids)
-    return {"aux": aux, "final": final}
-
-
-# ---------------------------------------------------------------------------------------- storage
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., H] -> (q float8_e4m3fn [..., H], scale float32 [...]) with x ~= q.float() * scale[..., None].
-
-    scale = absmax over H / 448 (per token, per aux layer); an all-zero row gets scale 0 and q 0.
-    """
-    xf = x.float()
-    scale = xf.abs().amax(-1) / FP8_MAX
-    q = (xf / scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
-    return q.to(torch.float8_e4m3fn), scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.unsqueeze(-1)
-
-
-def to_storage(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    """Features as stored in a shard: the tensors for keys aux, final (+ aux_scale, final_scale for fp8)."""
-    if dtype == "bfloat16":
-        return {"aux": aux.to(torch.bfloat16), "final": final.to(torch.bfloat16)}
-    if dtype == "float8_e4m3fn":
-        qa, sa = quantize_fp8(aux)
-        qf, sf = quantize_fp8(final)
-        return {"aux": qa, "aux_scale": sa, "final": qf, "final_scale": sf}
-    raise ValueError(f"feature dtype: expected bfloat16 or float8_e4m3fn, got {dtype!r}")
-
-
-def read_shard(path: str | os.PathLike[str], *, dequantize: bool = False) -> dict[str, torch.Tensor]:
-    """Load a shard; with dequantize, fp8 aux/final come back as float32 (scales applied, keys dropped)."""
-    from safetensors.torch import load_file
-
-    t = load_file(str(path))
-    if dequantize and "aux_scale" in t:
-        t["aux"] = dequantize_fp8(t["aux"], t.pop("aux_scale"))
-        t["final"] = dequantize_fp8(t["final"], t.pop("final_scale"))
-    return t
-
-
-def read_split(split_dir: str | os.PathLike[str], *, dequantize: bool = False) -> dict[int, dict[str, torch.Tensor]]:
-    """features/<split>/ whole, by sample index: {sample: {input_ids, loss_mask, aux, final (+ the
-    fp8 scales unless dequantize)}}, each a view of that sample's token rows. For inspection, tests
-    and benches; training reads shards lazily (drafter/train.py FeatureSplit)."""
-    split_dir = Path(split_dir)
-    index = json.loads((split_dir / "index.json").read_text())
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    for sh in index["shards"]:
-        t = read_shard(split_dir / sh["name"], dequantize=dequantize)
-        offs = t["offsets"].tolist()
-        for j, si in enumerate(t["sample_index"].tolist()):
-            out[si] = {k: v[offs[j]:offs[j + 1]] for k, v in t.items() if k not in ("offsets", "sample_index")}
-    return out
-
-
-def feature_bytes_per_token(hidden_size: int, dtype: str, n_aux: int = 3) -> int:
-    """Bytes per token in a shard: input_ids (4) + loss_mask (1) + (n_aux + 1) x H features (+ scales)."""
-    if dtype == "bfloat16":
-        return 5 + (n_aux + 1) * hidden_size * 2
-    return 5 + (n_aux + 1) * hidden_size + (n_aux + 1) * 4
-
-
-def shard_layout(n_tokens: int, n_samples: int, hidden_size: int, dtype: str, n_aux: int = 3):
-    """(header bytes, {name: (dtype, shape, byte offset from the file start)}, total file bytes).
-
-    Order: 8-byte types first and loss_mask last, so every tensor starts aligned to its element size.
-    """
-    fdt = _STORE_DTYPES[dtype]
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
-        ("offsets", torch.int64, (n_samples + 1,)),
-        ("sample_index", torch.int64, (n_samples,)),
-    ]
-    if dtype == "float8_e4m3fn":
-        specs += [("aux_scale", torch.float32, (n_tokens, n_aux)), ("final_scale", torch.float32, (n_tokens,))]
-    specs += [
-        ("input_ids", torch.int32, (n_tokens,)),
-        ("aux", fdt, (n_tokens, n_aux, hidden_size)),
-        ("final", fdt, (n_tokens, hidden_size)),
-        ("loss_mask", torch.uint8, (n_tokens,)),
-    ]
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    pos = 0
-    sizes = []
-    for name, dt, shape in specs:
-        n = dt.itemsize
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": _ST_NAMES[dt], "shape": list(shape), "data_offsets": [pos, pos + n]}
-        sizes.append((name, dt, shape, pos))
-        pos += n
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)  # data section 8-byte aligned, as safetensors pads it
-    head = struct.pack("<Q", len(hb)) + hb
-    layout = {name: (dt, shape, len(head) + off) for name, dt, shape, off in sizes}
-    return head, layout, len(head) + pos
-
-
-def _pwrite_all(fd: int, buf: Any, offset: int) -> None:
-    mv = memoryview(buf).cast("B")
-    while len(mv):
-        n = os.pwrite(fd, mv, offset)  # Linux writes at most ~2 GiB per call
-        mv = mv[n:]
-        offset += n
-
-
-# Eager writeback (see `_EAGER_WRITEBACK`): sync_file_range(2) through ctypes (Linux only).
-def _libc_sync_file_range() -> Any:
-    """libc's sync_file_range as a ctypes function (the call releases the GIL), or None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    return fn
-
-
-_sync_file_range = _libc_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait
-
-# A shard's rows land in the page cache, and the kernel starts writing them to disk only past
-# vm.dirty_background_ratio (10 % of RAM) or after 30 s: on a large host the disk idles while a
-# shard is written and its fsync then has all of it to write. Eager writeback asks for the writeback
-# of each range right after it is written, so the disk works from the first batch and the fsync
-# only waits for what is still in flight. A hint: durability still comes from that fsync alone, and
-# only SYNC_FILE_RANGE_WRITE is used (waiting through sync_file_range would advance the file's
-# writeback-error cursor, and the fsync could then miss an earlier I/O error).
-#
-# SPECOPS_EAGER_WRITEBACK picks where the hint is given:
-#   "async": by one flusher thread (`_flusher`), so the writer never waits on a busy disk queue;
-#   "sync" (or "1"): by the writer thread itself, after each pwrite;
-#   "off" (or "0"): never; each shard's fsync writes it all;
-#   "auto" (default): async where the process may use >= 8 CPUs, else off.
-# History. "sync" on the H200 host, with per-shard batch plans: 0.745x of a bare forward against
-# 0.793x off (bench/results/h200-2026-12-03e: 2.3 s of writeback calls on the writer's own path,
-# while shard i's fsync already overlapped shard i+1's forward). On a 2-vCPU VM it competed with the
-# writer and the hash (bench/extract_write_cpu.py: 1.33 -> 1.16 GB/s). Then batch windows made a
-# window's shards all finish in its last batches: with writeback off, the 8B-shaped bench's six bf16
-# shards (12.1 GB, under that host's dirty threshold) reached the disk only in their fsyncs, after
-# the forward, and the ratio fell to 0.638 (h200-2026-12-03g: 6.5-6.9 s per shard's fsync). The
-# flusher thread keeps the disk busy during the forward without blocking the writer; on small
-# machines the extra thread competes with the writer, hence "auto".
-def _usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask; the machine's count where there is none)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-_WRITEBACK_MODES = {"auto": "auto", "async": "async", "sync": "sync", "1": "sync", "off": "off", "0": "off"}
-
-
-def _resolve_writeback(value: str | None) -> str:
-    """SPECOPS_EAGER_WRITEBACK's value -> "async" | "sync" | "off" (see above)."""
-    mode = _WRITEBACK_MODES.get((value or "auto").strip().lower())
-    if mode is None:
-        raise ConfigError(f"SPECOPS_EAGER_WRITEBACK: expected auto, async, sync (1) or off (0), got {value!r}")
-    if mode == "auto":
-        mode = "async" if _usable_cpus() >= 8 else "off"
-    return mode
-
-
-_EAGER_WRITEBACK = _resolve_writeback(os.environ.get("SPECOPS_EAGER_WRITEBACK"))
-_flusher_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_flusher_lock = threading.Lock()
-
-
-def _flusher() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's one writeback thread (async mode), started on first use."""
-    global _flusher_pool
-    with _flusher_lock:
-        if _flusher_pool is None:
-            _flusher_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-writeback")
-        return _flusher_pool
-
-
-def _writeback_mode() -> str:
-    """The mode a new shard writer takes: `_EAGER_WRITEBACK`, or off where sync_file_range is missing."""
-    return _EAGER_WRITEBACK if _sync_file_range is not None else "off"
-
-
-class ShardWriter:
-    """Streams one shard: the header is known up front, rows land at their offsets (pwrite).
-
-    Memory stays at one batch however large the shard; the file is a valid safetensors file
-    once every row is written.
-    """
-
-    def __init__(self, path: Path, n_tokens: int, n_samples: int, hidden_size: int, dtype: str):
-        head, self.layout, self.nbytes = shard_layout(n_tokens, n_samples, hidden_size, dtype)
-        self.path = path
-        self.mode = _writeback_mode()  # see `_EAGER_WRITEBACK`
-        self.writeback = self.mode != "off"
-        self.flushes: collections.deque[concurrent.futures.Future] = collections.deque()  # async mode
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        # seconds the writer thread spent per part of the write path (the sidecar's "timings")
-        self.timings = {"copy_wait": 0.0, "pwrite": 0.0, "writeback": 0.0}
-        _pwrite_all(self.fd, head, 0)
-        os.ftruncate(self.fd, self.nbytes)
-
-    def byte_range(self, name: str, row: int, n: int) -> tuple[int, int]:
-        """(file offset, length) of rows [row, row + n) of tensor `name`."""
-        dt, shape, off = self.layout[name]
-        row_bytes = dt.itemsize
-        for d in shape[1:]:
-            row_bytes *= d
-        return off + row * row_bytes, n * row_bytes
-
-    def write(self, name: str, row: int, t: torch.Tensor) -> None:
-        """Write rows [row, row + len(t)) of tensor `name` (t on CPU, the stored dtype)."""
-        dt, shape, _ = self.layout[name]
-        assert t.dtype == dt and tuple(t.shape[1:]) == shape[1:] and row + len(t) <= shape[0], (name, t.shape)
-        if t.numel() == 0:
-            return
-        start, nbytes = self.byte_range(name, row, len(t))
-        t0 = time.perf_counter()
-        _pwrite_all(self.fd, t.contiguous().view(torch.uint8).numpy(), start)
-        t1 = time.perf_counter()
-        self.timings["pwrite"] += t1 - t0
-        if self.writeback:
-            if self.mode == "async":  # the flusher thread asks; the writer goes on at once
-                while self.flushes and self.flushes[0].done():
-                    self.flushes.popleft()
-                self.flushes.append(_flusher().submit(self._async_writeback, start, nbytes))
-            else:
-                self.writeback = self._start_writeback(start, nbytes)
-            self.timings["writeback"] += time.perf_counter() - t1
-
-    def _async_writeback(self, start: int, nbytes: int) -> None:
-        """Flusher thread: one range's hint; after a failure this shard asks no more."""
-        if self.writeback and self.fd >= 0:
-            self.writeback = self._start_writeback(start, nbytes)
-
-    def drain_writeback(self) -> None:
-        """Drop the hints not yet given (the fsync that follows writes everything) and wait for the
-        one being given, so that nothing uses the fd after this returns."""
-        pending = [f for f in self.flushes if not f.cancel()]  # all at once: the flusher takes the next meanwhile
-        self.flushes.clear()
-        concurrent.futures.wait(pending)
-
-    def _start_writeback(self, start: int, nbytes: int) -> bool:
-        """Ask the kernel to start writing bytes [start, start + nbytes) to disk; False: stop asking."""
-        if _sync_file_range(self.fd, start, nbytes, _SYNC_FILE_RANGE_WRITE) == 0:
-            return True
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE):  # those: unsupported here
-            log.warning("%s: sync_file_range failed (%s); going on without eager writeback (the fsync "
-                        "before the rename still reports any I/O error)", self.path.name, os.strerror(err))
-        return False
-
-    def close(self, *, sync: bool = True) -> None:
-        if self.fd < 0:
-            return
-        self.drain_writeback()
-        try:
-            if sync:
-                os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
-            self.fd = -1
-
-
-# A shard's digest: sha256 over the concatenated sha256 digests of its consecutive 64 MiB pieces (the
-# last one shorter). Unlike one sha256 over the whole file, the pieces hash on several threads: a 2 GB
-# bf16 shard took ~2.1 s to hash whole on the H200 host, and the last window's shards all finish with
-# its last batches, so that hash was the whole gap between extraction and the bare forward on the
-# 8B-shaped bench (session 9: 14.23 s vs 12.06 s, bf16 0.847). Shards of earlier runs keep their
-# whole-file "sha256" in their sidecars and index entries.
-DIGEST_KIND = "sha256 of the sha256 digests of 64 MiB pieces"
-DIGEST_UNIT = 64 << 20
-_READ_CHUNK = 16 << 20
-_digest_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_digest_lock = threading.Lock()
-_digest_tls = threading.local()
-
-
-def _digest_workers() -> concurrent.futures.ThreadPoolExecutor:
-    global _digest_pool
-    with _digest_lock:
-        if _digest_pool is None:
-            _digest_pool = concurrent.futures.ThreadPoolExecutor(max(1, _usable_cpus() // 2),
-                                                                 thread_name_prefix="shard-digest")
-        return _digest_pool
-
-
-def _piece_digest(fd: int, offset: int, size: int) -> bytes:
-    buf = getattr(_digest_tls, "buf", None)
-    if buf is None:  # one reused read buffer per thread
-        buf = _digest_tls.buf = bytearray(_READ_CHUNK)
-    mv = memoryview(buf)
-    h = hashlib.sha256()
-    end = offset + size
-    while offset < end:
-        n = os.preadv(fd, [mv[:min(_READ_CHUNK, end - offset)]], offset)
-        if n <= 0:
-            raise OSError(f"short read at byte {offset} of a shard being hashed")
-        h.update(mv[:n])  # hashlib drops the GIL for large blocks
-        offset += n
-    return h.digest()
-
-
-def shard_digest(path: Path, *, unit: int = DIGEST_UNIT) -> str:
-    """A shard file's digest (DIGEST_KIND): sha256(sha256(piece_0) + sha256(piece_1) + ...) over its
-    consecutive `unit`-byte pieces, hashed side by side on a shared thread pool. An empty file is one
-    empty piece. Independent check: hash each piece with any sha256 tool, then hash the 32-byte
-    digests concatenated in order."""
-    size = os.path.getsize(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        offsets = range(0, size, unit) if size else [0]
-        parts = list(_digest_workers().map(lambda off: _piece_digest(fd, off, min(unit, size - off)), offsets))
-    finally:
-        os.close(fd)
-    return hashlib.sha256(b"".join(parts)).hexdigest()
-
-
-def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
-    """Hex sha256 of a file's bytes, read into one reused buffer (no fresh bytes object per block).
-
-    16 MiB as before: a smaller buffer hashes a little faster, but freeing it leaves glibc's mmap
-    threshold lower, which measurably slowed the CPU path's forwards (fp8 temporaries) afterwards.
-    """
-    h = hashlib.sha256()
-    buf = memoryview(bytearray(chunk))
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(buf[:n])  # hashlib drops the GIL for large blocks
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------- plan
@@ -981,8 +432,9 @@ class _Pipeline:
     or at `join`). `abort` waits for every queued job, so no thread touches a shard after it returns.
     """
 
-    def __init__(self, device: torch.device, token_budget: int, batch_window: int = 1):
+    def __init__(self, device: torch.device, token_budget: int, batch_window: int = 1, *, writeback: str = "off"):
         self.device = device
+        self.writeback = writeback  # extract.eager_writeback, for every shard writer
         self.pinned = device.type == "cuda"
         staged = self.pinned or _STAGE_CPU
         self.slots: list[dict[str, torch.Tensor]] | None = [{} for _ in range(_STAGING_SLOTS)] if staged else None
@@ -1199,7 +651,7 @@ def _extract_window(
                 continue  # finished: its samples still join their batches, its rows are dropped
             mask = f.get_slice("loss_mask")[s.tok_start : s.tok_stop].to(torch.uint8)
             tmp = sp.out_dir / f".{s.name}.tmp"
-            w = ShardWriter(tmp, s.n_tokens, s.n_samples, H, dtype)
+            w = ShardWriter(tmp, s.n_tokens, s.n_samples, H, dtype, writeback=pipe.writeback)
             job = jobs[p] = _ShardJob(shard=s, writer=w, tmp=tmp, t0=t0, writes=[], busy=0.0)
             pipe.start_shard(job)  # from here on, `pipe.abort` closes the writer
             w.write("input_ids", 0, ids[p])
@@ -1486,7 +938,8 @@ def run_extract(
 
         summary: dict[str, Any] = {"mode": "offline", "rank": rank, "world_size": world, "splits": {}}
         bpt = feature_bytes_per_token(H, x.dtype)
-        pipe = _Pipeline(target.device, x.token_budget, x.batch_window) if target is not None else None
+        pipe = (_Pipeline(target.device, x.token_budget, x.batch_window, writeback=x.eager_writeback)
+                if target is not None else None)
         beats = _Heartbeat(campaign, splits) if rank == 0 else None
         if beats is not None:
             beats.start()

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..config import Config
+from ..target import text_config
 
 TEXT_BYTES_PER_TOKEN = 4.5
 TOKEN_ID_BYTES_PER_TOKEN = 6.0
@@ -105,15 +106,6 @@ def checkpoint_bytes(params: int, *, kept: int = DEFAULT_CHECKPOINTS_KEPT) -> in
 
 
 # ============================================================================ from a config
-
-
-def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language model's config inside a (possibly multimodal) HF config.json."""
-    for key in ("text_config", "language_config", "llm_config", "language_model"):
-        sub = config.get(key)
-        if isinstance(sub, Mapping) and "hidden_size" in sub:
-            return sub
-    return config
 
 
 def _read_model_config(cfg: Config) -> Mapping[str, Any] | None:

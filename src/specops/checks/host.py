@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .forecast import text_config
+from ..target import TEXT_CONFIG_KEYS, text_config
 from .result import CheckResult, fmt_bytes
 
 DiskUsage = Callable[[str], Any]  # shutil.disk_usage's shape: .total .used .free
@@ -202,8 +202,7 @@ def check_model(model_dir: Path, *, tokenizer_dir: Path | None = None, need_toke
         config = None
     else:
         tc = text_config(config)
-        nested = next((k for k in ("text_config", "language_config", "llm_config", "language_model")
-                       if config.get(k) is tc), None)
+        nested = next((k for k in TEXT_CONFIG_KEYS if config.get(k) is tc), None)
         shape = {k: tc.get(k) for k in ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")}
         arch = (config.get("architectures") or [config.get("model_type", "?")])[0]
         where = f" (from {nested})" if nested else ""

@@ -45,7 +45,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import SpecopsError
-from ..generate.client import split_think
+from ..text import THINK_CLOSE, split_think
 
 Status = Literal["pass", "warn", "fail", "skip", "unknown"]
 Flavor = Literal["auto", "vllm", "sglang"]
@@ -494,7 +494,7 @@ async def _completion_tier(session: aiohttp.ClientSession, ep: _Endpoint,
     reasoning = msg.get("reasoning")
     if reasoning is None:
         reasoning = msg.get("reasoning_content")
-    if reasoning is None and isinstance(content, str) and "</think>" in content:
+    if reasoning is None and isinstance(content, str) and THINK_CLOSE in content:
         reasoning, content = split_think(content)
     n = usage.get("completion_tokens")
     n = n if isinstance(n, int) and not isinstance(n, bool) else None

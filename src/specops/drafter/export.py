@@ -60,11 +60,28 @@ from typing import Any, Mapping
 
 import safetensors
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specops.checks.result import CheckResult, worst
-from specops.errors import SpecopsError
+
+from specops.target import AUX_CONVENTION, engine_default_aux_layer_ids, text_config
+
+from .formats import (
+    _DROPPED_SUFFIXES,
+    EMBED_KEY,
+    EXPORT_FORMAT,
+    MIDLAYER_PARAMS,
+    REQUIRED_KEYS,
+    SPECULATORS_ARCH,
+    SPECULATORS_NAME_MAP,
+    VLLM_ARCH,
+    WEIGHT_KEYS,
+    ExportError,
+    _Checkpoint,
+    _detect_format,
+    _our_names,
+    load_exported,
+)
 
 __all__ = [
     "ExportError",
@@ -80,50 +97,6 @@ __all__ = [
 ]
 
 
-class ExportError(SpecopsError):
-    """A drafter checkpoint or export is incomplete or inconsistent; the message names what."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Names (DESIGN "File formats": drafter parameter names = the vLLM export names)
-
-MIDLAYER_PARAMS = (
-    "input_layernorm.weight",  # [H]       normalises embed(token)
-    "hidden_norm.weight",  # [H]       normalises the fused hidden state
-    "self_attn.q_proj.weight",  # [nh*hd, 2H]
-    "self_attn.k_proj.weight",  # [nkv*hd, 2H]
-    "self_attn.v_proj.weight",  # [nkv*hd, 2H]
-    "self_attn.o_proj.weight",  # [H, nh*hd]
-    "post_attention_layernorm.weight",  # [H]
-    "mlp.gate_proj.weight",  # [I, H]
-    "mlp.up_proj.weight",  # [I, H]
-    "mlp.down_proj.weight",  # [H, I]
-)
-WEIGHT_KEYS = ("fc.weight", *(f"midlayer.{p}" for p in MIDLAYER_PARAMS), "norm.weight", "lm_head.weight")
-REQUIRED_KEYS = (*WEIGHT_KEYS, "d2t", "t2d")
-EMBED_KEY = "embed_tokens.weight"  # [target_vocab, H], the frozen copy of the target's
-
-# Buffers some trainers keep in a state dict that no loader reads; dropped, never written.
-_DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-# Ours (= vLLM/SGLang export names) -> speculators `Eagle3DraftModel` state dict names.
-SPECULATORS_NAME_MAP: dict[str, str] = {
-    "fc.weight": "fc.weight",
-    **{f"midlayer.{p}": f"layers.0.{p}" for p in MIDLAYER_PARAMS},
-    "norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head.weight",
-    "d2t": "d2t",
-    "t2d": "t2d",
-    EMBED_KEY: EMBED_KEY,
-}
-_FROM_SPECULATORS = {v: k for k, v in SPECULATORS_NAME_MAP.items()}
-
-VLLM_ARCH = "LlamaForCausalLMEagle3"  # the one name both vLLM's registry and SGLang's EntryClass know
-SPECULATORS_ARCH = "Eagle3Speculator"
-EXPORT_FORMAT = "specops-eagle3-export-v1"
-AUX_CONVENTION = "input-to-layer (= HF hidden_states index)"
-
-
 def sglang_layer_ids(aux_layer_ids: list[int]) -> list[int]:
     """Input-to-layer ids -> the ids SGLang expects in `eagle_config`.
 
@@ -132,11 +105,6 @@ def sglang_layer_ids(aux_layer_ids: list[int]) -> list[int]:
     it must be given "output of layer" ids: input to layer t = output of layer t-1.
     """
     return [t - 1 for t in aux_layer_ids]
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """The default of vLLM (`SupportsEagle3`), SGLang and speculators, input-to-layer."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,16 +148,9 @@ class _Dims:
         }
 
 
-def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language-model part of a (possibly multimodal) HF config."""
-    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), Mapping):
-        return cfg["text_config"]
-    return cfg
-
-
 def _target_int(target_config: Mapping[str, Any], key: str) -> int:
     """An integer field of the target's text config (multimodal configs may keep vocab_size on top)."""
-    tgt = _text_config(target_config)
+    tgt = text_config(target_config)
     value = tgt.get(key, target_config.get(key))
     if not isinstance(value, int) or isinstance(value, bool):
         raise ExportError(f"target_config has no integer {key}")
@@ -310,7 +271,7 @@ def _raise_if_nogo(problems: list[CheckResult], what: str) -> None:
 def _draft_fields(drafter_config: Mapping[str, Any], target_config: Mapping[str, Any]) -> dict[str, Any]:
     """The Llama decoder-layer fields of the drafter, drafter_config first, the target's as fallback
     for what the drafter inherits (norm eps, RoPE, context length)."""
-    tgt = _text_config(target_config)
+    tgt = text_config(target_config)
     problems = []
 
     def pick(key: str, *, inherit: bool) -> Any:
@@ -599,92 +560,6 @@ def export_speculators(
     return _write_dir(Path(out_dir), config, renamed, manifest, target_config)
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading any drafter dir
-
-_ST_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
-
-class _Checkpoint:
-    """Names, shapes and dtypes of a drafter dir's tensors; values are read on demand, so checking a
-    multi-GB drafter reads headers plus one tensor at a time."""
-
-    def __init__(self, directory: Path):
-        self.meta: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
-        self._file: dict[str, Path] = {}
-        self._loaded: dict[str, torch.Tensor] = {}  # .bin checkpoints (third-party EAGLE dirs)
-        for path in self._files(directory):
-            if path.suffix == ".safetensors":
-                with open(path, "rb") as f:
-                    n = int.from_bytes(f.read(8), "little")
-                    header = json.loads(f.read(n))
-                header.pop("__metadata__", None)
-                for name, info in header.items():
-                    self.meta[name] = (tuple(info["shape"]), _ST_DTYPES.get(info["dtype"]))
-                    self._file[name] = path
-            else:
-                for name, t in torch.load(path, map_location="cpu", weights_only=True, mmap=True).items():
-                    self.meta[name] = (tuple(t.shape), t.dtype)
-                    self._loaded[name] = t
-
-    @staticmethod
-    def _files(d: Path) -> list[Path]:
-        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-            if (d / index).is_file():
-                weight_map = json.loads((d / index).read_text())["weight_map"]
-                return [d / f for f in sorted(set(weight_map.values()))]
-        for single in ("model.safetensors", "pytorch_model.bin"):
-            if (d / single).is_file():
-                return [d / single]
-        raise ExportError(f"{d}: no model.safetensors, pytorch_model.bin or index of either")
-
-    def load(self, name: str) -> torch.Tensor:
-        if name in self._loaded:
-            return self._loaded[name]
-        with safe_open(str(self._file[name]), framework="pt") as f:
-            return f.get_tensor(name)
-
-
-def _detect_format(config: Mapping[str, Any], names: set[str]) -> str:
-    if "speculators_model_type" in config:
-        return "speculators"
-    archs = config.get("architectures") or []
-    if any("Eagle3" in a for a in archs) or any(n.startswith("midlayer.") for n in names):
-        return "vllm"
-    return "unknown"
-
-
-def _our_names(fmt: str, names: set[str]) -> dict[str, str]:
-    """File name -> our name. vLLM-style dirs may carry `layers.0.*` (vLLM reads both spellings)."""
-    out = {}
-    for n in names:
-        if fmt == "speculators":
-            out[n] = _FROM_SPECULATORS.get(n, n)
-        elif n.startswith("layers.0."):
-            out[n] = "midlayer." + n.removeprefix("layers.0.")
-        else:
-            out[n] = n
-    return out
-
-
-def load_exported(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(state_dict in our names, config.json as written) of an exported dir, either format."""
-    d = Path(directory)
-    if not (d / "config.json").is_file():
-        raise ExportError(f"{d}: no config.json")
-    config = json.loads((d / "config.json").read_text())
-    ckpt = _Checkpoint(d)
-    fmt = _detect_format(config, set(ckpt.meta))
-    if fmt == "unknown":
-        raise ExportError(f"{d}: neither a vLLM/EAGLE-3 nor a speculators drafter dir")
-    names = _our_names(fmt, set(ckpt.meta))
-    return {ours: ckpt.load(n) for n, ours in names.items()}, config
-
-
 @dataclass(slots=True)
 class CheckReport:
     """Verdict on one drafter dir. `problems` holds only warn/nogo results; `facts` the evidence
@@ -722,13 +597,13 @@ def _target_layers(d: Path, config: Mapping[str, Any], fmt: str,
         cfg_file = path if path.suffix == ".json" else path / "config.json"
         if cfg_file.is_file():
             cfg = json.loads(cfg_file.read_text())
-            text = dict(_text_config(cfg))
+            text = dict(text_config(cfg))
             text.setdefault("vocab_size", cfg.get("vocab_size"))
             return text, f"{source} ({cfg_file})"
         return None
 
     if isinstance(target_config, Mapping):
-        text = dict(_text_config(target_config))
+        text = dict(text_config(target_config))
         text.setdefault("vocab_size", target_config.get("vocab_size"))
         return text, "argument"
     if target_config is not None:
@@ -754,7 +629,7 @@ def _check_layer_ids(
     """The layer-id fields against what each engine reads (module docstring, "Layer ids")."""
     out: list[CheckResult] = []
     top = config.get("eagle_aux_hidden_state_layer_ids")
-    default = default_aux_layer_ids(num_layers) if num_layers is not None else None
+    default = engine_default_aux_layer_ids(num_layers) if num_layers is not None else None
     facts["aux_layer_ids (vLLM, input-to-layer)"] = top
     if fmt == "speculators":
         if top is None:
@@ -986,7 +861,7 @@ def run_export(cfg, campaign, *, checkpoint: str | Path | None = None, formats: 
     refused rather than served.
     """
     from ..models import resolve_model_dir
-    from .train import latest_checkpoint, load_drafter
+    from .checkpoint import latest_checkpoint, load_drafter
 
     ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(campaign.root / "drafter")
     if ckpt is None or not (ckpt / "model.safetensors").is_file():

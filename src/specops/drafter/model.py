@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -37,31 +36,73 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..target import default_aux_layer_ids, text_config
+
 # Masked attention on CUDA: the memory-efficient kernel (flash takes no mask; math is the last
 # resort). Left to itself, torch picks cuDNN's, which builds a plan for every new (batch, length)
 # shape -- ~20 ms of host time per call (H200 profile, bench/results/h200-2026-12-03/train-prof.txt),
 # and training batches change shape at almost every step. SPECOPS_SDPA_CUDNN=1 keeps torch's choice
 # (bench/train_gpu.py --vary-len measures both).
 _MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
-_KEEP_CUDNN = os.environ.get("SPECOPS_SDPA_CUDNN", "0") == "1"
+
+
+@dataclass
+class KernelOptions:
+    """How training computes (never what): the train section's kernel keys, set for the process by
+    the trainer (`set_kernel_options`) before its first step. Every form computes the same loss and
+    gradients up to rounding; tests pin each pair.
+
+    ttt_attention: "block" (step 0's keys once + a per-slot dot product for the diagonal blocks,
+        `ttt_attention`) or "dense" ([T, (k+1)T] masks through SDPA: the reference form).
+    fused_loss: lm_head + soft CE as one autograd node per TTT step (`train.linear_soft_ce`);
+        "auto" = on CUDA.
+    compile_loss / compile_layer: torch.compile the soft CE kernels / the drafter layer's
+        elementwise regions; "auto" = on CUDA. compile_layer defaults to off: its dynamic-shape
+        graphs recompile as real batches change shape.
+    sdpa_cudnn: let SDPA pick cuDNN for masked attention (it plans per new shape; off forces the
+        memory-efficient kernel).
+    """
+
+    ttt_attention: str = "block"
+    fused_loss: str = "auto"
+    compile_loss: str = "auto"
+    compile_layer: str = "off"
+    sdpa_cudnn: bool = False
+
+
+KERNELS = KernelOptions()
+
+
+def set_kernel_options(**options: Any) -> KernelOptions:
+    """Set the process's kernel options (unknown names raise); returns the previous ones."""
+    previous = dataclasses.replace(KERNELS)
+    for name, value in options.items():
+        if not hasattr(KERNELS, name):
+            raise TypeError(f"unknown kernel option {name!r}")
+        setattr(KERNELS, name, value)
+    return previous
+
+
+def switch_on(mode: str, device: torch.device) -> bool:
+    """An "auto" | "on" | "off" switch for one device: auto = on CUDA."""
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 class CompiledOrEager:
     """Small functions run through torch.compile (dynamic shapes, one compile each per process) or
-    eagerly, by an environment switch: "auto" (compile on CUDA), "1" (also on CPU: tests), "0"
-    (never). A compile or call that raises turns compiling off for the process with a warning, and
-    the eager function computes that call (the same math)."""
+    eagerly, by one of the kernel options ("auto": compile on CUDA, "on": also on CPU, "off":
+    never); `mode`, when set, overrides it. A compile or call that raises turns compiling off for
+    the process with a warning, and the eager function computes that call (the same math)."""
 
-    def __init__(self, env: str, default: str, what: str) -> None:
-        self.mode = os.environ.get(env, default)
+    def __init__(self, option: str, what: str) -> None:
+        self.option = option
+        self.mode: str | None = None
         self.what = what
         self.failed = False
         self.compiled: dict[Any, Any] = {}
 
     def use(self, t: torch.Tensor) -> bool:
-        if self.failed or self.mode == "0":
-            return False
-        return self.mode == "1" or t.device.type == "cuda"
+        return not self.failed and switch_on(self.mode or getattr(KERNELS, self.option), t.device)
 
     def run(self, fn: Any, *args: Any) -> Any:
         """fn(*args), compiled when `use` says so for the first tensor argument."""
@@ -91,13 +132,12 @@ class _LayerRegions(CompiledOrEager):
     kernels forward and more backward. Two regions around the attention core (`_mid_pre`: norms,
     concat, q/k/v projections and RoPE; `_mid_post`: o_proj, residuals, the MLP) are compiled with
     dynamic shapes; the attention core stays eager (its form changes with the step).
-    SPECOPS_COMPILE_LAYER: "0" (default), "auto", "1" (CompiledOrEager). Off by default since
-    session 7's real H200 run: with it and the fused loss on, training ran at ~2K tok/s (165K
-    without), while synthetic features ran at full speed (bench/results/h200-2026-12-03f/diagnosis.txt).
+    train.compile_layer (KernelOptions): off by default; on real features of many shapes its
+    dynamic-shape graphs can recompile far more often than on synthetic batches.
     """
 
     def __init__(self) -> None:
-        super().__init__("SPECOPS_COMPILE_LAYER", "0", "drafter layer")
+        super().__init__("compile_layer", "drafter layer")
 
 
 LAYER_REGIONS = _LayerRegions()
@@ -122,21 +162,6 @@ STATE_DICT_KEYS = (
     "d2t",
     "t2d",
 )
-
-
-def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
-    """[2, L//2, L-3] as "input to layer i" (= HF `output_hidden_states` index i), vLLM's convention."""
-    n = num_hidden_layers
-    return [min(2, n - 1), n // 2, max(n - 3, 0)]
-
-
-def _text_config(hf_config: Any) -> Any:
-    # Multimodal targets (Qwen-VL, Llama-4, Gemma-3...) nest the language model's config.
-    for name in ("text_config", "language_config", "llm_config"):
-        sub = hf_config.get(name) if isinstance(hf_config, dict) else getattr(hf_config, name, None)
-        if sub is not None:
-            return sub
-    return hf_config
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -205,7 +230,7 @@ class DrafterConfig:
     ) -> "DrafterConfig":
         """The drafter layer takes the target's shapes (EAGLE-3 convention). `hf_config` is an HF
         config object or its dict; a nested `text_config` is used when present."""
-        c = _text_config(hf_config)
+        c = text_config(hf_config)
         hidden = int(_get(c, "hidden_size"))
         heads = int(_get(c, "num_attention_heads"))
         layers = int(_get(c, "num_hidden_layers"))
@@ -356,7 +381,7 @@ class Attention(nn.Module):
         if self.nh != self.nkv:  # expand KV heads; memory-efficient SDPA kernels do not take GQA + masks
             keys = keys.repeat_interleave(self.nh // self.nkv, dim=1)
             vals = vals.repeat_interleave(self.nh // self.nkv, dim=1)
-        if attn_mask is not None and q.is_cuda and not _KEEP_CUDNN:
+        if attn_mask is not None and q.is_cuda and not KERNELS.sdpa_cudnn:
             with sdpa_kernel(_MASKED_BACKENDS):
                 out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask)
         else:
@@ -445,7 +470,7 @@ def ttt_attention(q: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor] | TT
     lo = (mq - hi.float()).to(dt)
     q2 = torch.cat([q, hi, lo, q.new_zeros(B, nh, T, PROBE_PAD - 2)], -1)
     keys, vals = block.keys.to(dt), block.vals.to(dt)  # no-ops but where the block came in another dtype
-    if q.is_cuda and not _KEEP_CUDNN:
+    if q.is_cuda and not KERNELS.sdpa_cudnn:
         with sdpa_kernel(_MASKED_BACKENDS):
             out = F.scaled_dot_product_attention(q2, keys, vals, attn_mask=block.mask, scale=scale)
     else:
@@ -634,7 +659,6 @@ __all__ = [
     "DrafterConfig",
     "DraftOut",
     "Eagle3Drafter",
-    "default_aux_layer_ids",
     "rope_from_hf",
     "count_parameters",
 ]

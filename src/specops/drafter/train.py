@@ -22,7 +22,7 @@ Attention at step k (keys laid out [K_0 | K_1 | ... | K_k], each [B, nkv, T, d];
 k-th draft: the prefix computed from target states, then its own previous drafts. The diagonal
 blocks hold one key per row, so the drafter computes them as per-slot dot products and runs SDPA
 over block 0 only (model.ttt_attention: about (k+1)x less score work at step k, one [T, T] mask
-for all steps). SPECOPS_TTT_DENSE=1 runs the dense form above instead (A/B benchmarks).
+for all steps). train.ttt_attention = "dense" runs the dense form above instead (the reference).
 
 Loss: sum_k loss_decay^k · mean over counted slots of the soft cross-entropy
 -sum_v p_teacher(v) log p_drafter(v). Per-step accuracy: argmax drafter == argmax teacher (draft
@@ -52,106 +52,45 @@ from torch import nn
 
 from ..campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json
 from ..errors import ConfigError, InputError, Interrupted
+from ..features import FeatureReader
+from ..measures import simulated_tau
+from .checkpoint import checkpoints_dir, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from .graphs import GraphedMicroStep
-from .optim import OptimizerSet, build_optimizer
-from .model import CompiledOrEager, DrafterConfig, Eagle3Drafter, count_parameters, default_aux_layer_ids, ttt_block
+from .optim import build_optimizer
+from ..target import default_aux_layer_ids
+from ..target.inprocess import TargetHead, load_target_head
+from .model import (
+    KERNELS,
+    CompiledOrEager,
+    DrafterConfig,
+    Eagle3Drafter,
+    count_parameters,
+    set_kernel_options,
+    switch_on,
+    ttt_block,
+)
 
 log = logging.getLogger("specops.train")
 
-FEATURES_FORMAT = "specops-features-v1"
-_TTT_DENSE = os.environ.get("SPECOPS_TTT_DENSE", "0") == "1"
 HEARTBEAT_S = 10.0  # the longest wall time between two training heartbeats (maybe_heartbeat)
-# A run with fewer optimizer steps than this gets a warning: on 10.5K SmolLM2 samples (2 epochs, the
-# same data and recipe otherwise) 1,444 steps at 8,192 tokens/step reached val simulated tau 3.40,
-# 2,918 at 4,096 reached 4.06 and 6,046 at 2,048 reached 4.38 (session 11, docs/results.md).
+# A run with fewer optimizer steps than this gets a warning (FEW_STEPS in the manifest): at a fixed
+# number of epochs, smaller batches (more steps) reach a clearly higher val simulated tau; the
+# comparison is in docs/results.md.
 FEW_STEPS = 2000
-# The lm_head + soft cross-entropy of each TTT step as one autograd node (`linear_soft_ce`): one
-# fused pass per step reads each logit and its teacher probability once and keeps the logit
-# gradient. SPECOPS_FUSED_LOSS: "auto" (default: on CUDA), "1" (also on the CPU: tests), "0" (the
-# separate form: lm_head through autograd, then `soft_cross_entropy`). History: in session 7 it was
-# off by default, after a real H200 run with it and the compiled layer regions trained at ~2K tok/s
-# (bench/results/h200-2026-12-03f/diagnosis.txt); its compiled pass then reduced [rows, Vd] to one
-# scalar inside a dynamic-shape graph, and now returns per-row values summed eagerly. Session 8's
-# lease ran it alone on the real features, two full epochs: 163.3K tok/s against 153.6K for the
-# separate form, 1.06x (bench/results/h200-2026-12-03g, results/lr-sweep.json).
-_FUSED_LOSS = os.environ.get("SPECOPS_FUSED_LOSS", "auto")
-if _FUSED_LOSS not in ("auto", "0", "1"):
-    raise ConfigError(f"SPECOPS_FUSED_LOSS: expected auto, 0 or 1, got {_FUSED_LOSS!r}")
 
 
 def fused_loss_on(device: torch.device) -> bool:
-    """Whether the TTT loop uses `linear_soft_ce` on this device (SPECOPS_FUSED_LOSS)."""
-    return _FUSED_LOSS == "1" or (_FUSED_LOSS == "auto" and device.type == "cuda")
+    """Whether the TTT loop computes lm_head + soft CE as one autograd node per step
+    (`linear_soft_ce`: one pass reads each logit and its teacher probability once and keeps the
+    logit gradient) on this device; train.fused_loss, "auto" = on CUDA. Off: lm_head through
+    autograd, then `soft_cross_entropy`."""
+    return switch_on(KERNELS.fused_loss, device)
 
 
 FeaturesFn = Callable[[list[torch.Tensor]], dict[str, Any]]
 
 
-# ---------------------------------------------------------------- target head (teacher)
-
-class TargetHead(NamedTuple):
-    config: dict[str, Any]  # the target's config.json (the text config when nested)
-    norm_weight: torch.Tensor  # [H] final norm
-    rms_norm_eps: float
-    embed: torch.Tensor  # [V, H]
-    lm_head: torch.Tensor  # [V, H] (the embedding when tied)
-
-
-def _weight_files(model_dir: Path) -> dict[str, Path]:
-    """tensor name -> safetensors file, from the index when sharded."""
-    from safetensors import safe_open
-
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        wm = json.loads(index.read_text())["weight_map"]
-        return {k: model_dir / v for k, v in wm.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise InputError(f"{model_dir}: no *.safetensors weights (the teacher needs the target's norm and lm_head)")
-    out: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), "pt") as h:
-            out.update({k: f for k in h.keys()})
-    return out
-
-
-def _pick(names: list[str], suffix: str) -> str | None:
-    # Language-model tensors only: multimodal checkpoints also carry vision towers and MTP heads.
-    skip = ("vision", "visual", "audio", "mtp", "image", "projector")
-    cands = [n for n in names if (n == suffix or n.endswith("." + suffix)) and ".layers." not in n
-             and not any(s in n for s in skip)]
-    return min(cands, key=len) if cands else None
-
-
-def load_target_head(model_dir: str | os.PathLike[str]) -> TargetHead:
-    """Read only the final norm, embedding and lm_head tensors of an HF model directory."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    cfg_all = json.loads((model_dir / "config.json").read_text())
-    cfg = cfg_all
-    for key in ("text_config", "language_config", "llm_config"):
-        if isinstance(cfg_all.get(key), dict):
-            cfg = cfg_all[key]
-            break
-    files = _weight_files(model_dir)
-    names = list(files)
-    norm, embed, head = _pick(names, "norm.weight"), _pick(names, "embed_tokens.weight"), _pick(names, "lm_head.weight")
-    if norm is None or embed is None:
-        raise InputError(f"{model_dir}: cannot find the final norm / embed_tokens weights in {len(names)} tensors")
-    tied = cfg.get("tie_word_embeddings", cfg_all.get("tie_word_embeddings", False))
-    if head is None and not tied:
-        log.warning("%s: no lm_head.weight and tie_word_embeddings is not set; using the embedding", model_dir)
-    head = head or embed
-
-    def get(name: str) -> torch.Tensor:
-        with safe_open(str(files[name]), "pt") as h:
-            return h.get_tensor(name)
-
-    e = get(embed)
-    return TargetHead(cfg, get(norm).float(), float(cfg.get("rms_norm_eps", 1e-6)), e,
-                      e if head == embed else get(head))
-
+# ---------------------------------------------------------------- teacher
 
 class Teacher:
     """Target logits over the draft vocab from final hidden states: lm_head(norm(final)) rows d2t.
@@ -207,10 +146,10 @@ def turn_head(mask: torch.Tensor, n: int) -> torch.Tensor:
 
 def without_repeats(ngram: int) -> MaskFn:
     """train.mask_repetition: the loss mask without the tokens that repeat an ngram-token window of
-    their own turn (build.repeating_tokens: greedy loops; the first occurrence stays)."""
+    their own turn (text.repeating_tokens: greedy loops; the first occurrence stays)."""
     import numpy as np
 
-    from ..build import repeating_tokens
+    from ..text import repeating_tokens
 
     def fn(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         rep = repeating_tokens(ids.numpy().astype(np.int32), mask.numpy().astype(np.uint8), ngram)
@@ -234,32 +173,22 @@ class _Masks:
 
 
 class FeatureSplit(_Masks):
-    """features/<split>/: index.json + shard-*.safetensors (DESIGN "features/"), read lazily; loss
-    masks as _Masks says."""
+    """features/<split>/ through `features.FeatureReader` (read lazily); loss masks as _Masks says."""
 
     def __init__(self, split_dir: Path, *, max_seq_len: int | None = None, out_dtype: torch.dtype = torch.float32):
-        from safetensors import safe_open
-
-        self.dir = Path(split_dir)
-        self.index = read_json(self.dir / "index.json")
-        if self.index is None:
-            raise InputError(f"{self.dir}/index.json not found: run `specops extract` first")
-        if self.index.get("format") != FEATURES_FORMAT or not self.index.get("complete"):
-            raise InputError(f"{self.dir}/index.json: not a complete {FEATURES_FORMAT} index")
-        self.aux_layer_ids = list(self.index["aux_layer_ids"])
-        self.hidden_size = int(self.index["hidden_size"])
-        self.final_prenorm = self.index.get("final", "pre-norm") == "pre-norm"
-        self.fp8 = self.index.get("dtype") == "float8_e4m3fn"
+        self.reader = FeatureReader(split_dir)
+        self.dir = self.reader.dir
+        self.index = self.reader.index
+        self.aux_layer_ids = self.reader.aux_layer_ids
+        self.hidden_size = self.reader.hidden_size
+        self.final_prenorm = self.reader.final_prenorm
+        self.fp8 = self.reader.fp8
         self.out_dtype = out_dtype
-        self._handles: dict[int, Any] = {}
         self.items: list[tuple[int, int, int]] = []  # (shard, start, end)
         self.lengths: list[int] = []
         self.skipped = 0
-        self.shards = [self.dir / s["name"] for s in self.index["shards"]]
-        for si, path in enumerate(self.shards):
-            with safe_open(str(path), "pt") as h:
-                offsets = h.get_tensor("offsets").tolist()
-                lm = h.get_tensor("loss_mask")
+        for si in range(len(self.reader.shards)):
+            offsets, lm = self.reader.sample_spans(si)
             for a, b in zip(offsets[:-1], offsets[1:]):
                 if max_seq_len:
                     b = min(b, a + max_seq_len)
@@ -272,23 +201,9 @@ class FeatureSplit(_Masks):
     def __len__(self) -> int:
         return len(self.items)
 
-    def _h(self, si: int):
-        from safetensors import safe_open
-
-        if si not in self._handles:
-            self._handles[si] = safe_open(str(self.shards[si]), "pt")
-        return self._handles[si]
-
     def get(self, i: int) -> Sample:
-        si, a, b = self.items[i]
-        h = self._h(si)
-        aux, final = h.get_slice("aux")[a:b], h.get_slice("final")[a:b]
-        if self.fp8:
-            aux = aux.float() * h.get_slice("aux_scale")[a:b].float()[..., None]
-            final = final.float() * h.get_slice("final_scale")[a:b].float()[..., None]
-        ids = h.get_slice("input_ids")[a:b].long()
-        return Sample(ids, self._mask(ids, h.get_slice("loss_mask")[a:b]), aux.to(self.out_dtype),
-                      final.to(self.out_dtype))
+        ids, mask, aux, final = self.reader.rows(*self.items[i], dtype=self.out_dtype)
+        return Sample(ids, self._mask(ids, mask), aux, final)
 
 
 class TokenSplit(_Masks):
@@ -468,9 +383,9 @@ def _attach_features(samples: list[Sample], features_fn: FeaturesFn, dtype: torc
 
 def target_features_fn(model_dir: str | os.PathLike[str], device: torch.device,
                        aux_layer_ids: list[int] | None = None) -> FeaturesFn:
-    """The default online features_fn: the target itself (extract.py's loader and forward), run on
+    """The default online features_fn: the target itself (target.inprocess: loader and forward), run on
     right-padded batches (positions 0..n-1 per row, causal mask alone keeps real tokens exact)."""
-    from ..extract import compute_features, load_target
+    from ..target.inprocess import compute_features, load_target
 
     target = load_target(model_dir, device=device)
     ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(target.num_hidden_layers)
@@ -533,8 +448,7 @@ def _ce_fused(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, tgt
     softmax(x_i) - p_i as teacher rows are softmaxes (sum to 1). Math in fp32 (fp64 stays fp64).
     Row reductions only: the sums over rows happen outside, eagerly. A full reduction to a scalar
     inside a dynamic-shape graph can compile to a single-block kernel when the first call's size
-    hint was small (a suspect for session 7's real-data slowdown: diagnosis.txt in
-    bench/results/h200-2026-12-03f)."""
+    hint was small."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     p = p_all[rows]
     lse = torch.logsumexp(x, -1, keepdim=True)
@@ -550,13 +464,13 @@ class _LossKernels(CompiledOrEager):
     log_softmax or softmax, multiply, reduce): about 90 bytes moved per logit per TTT step, which on
     the H200 made the loss, not the matmuls, the largest device time of a SmolLM2-sized step. Compiled
     (two small graphs, dynamic shapes: one compile each per process, seconds), the gather becomes an
-    indirect load inside one fused reduction: ~8 bytes per logit. SPECOPS_COMPILE_LOSS: "auto"
-    (default: compile on CUDA), "1" (also on CPU: tests), "0" (never). A compile or run that raises
+    indirect load inside one fused reduction: ~8 bytes per logit. train.compile_loss: "auto"
+    (default: compile on CUDA), "on" (also on CPU), "off" (never). A compile or run that raises
     turns it off for the process with a warning, and the eager pair computes the step.
     """
 
     def __init__(self) -> None:
-        super().__init__("SPECOPS_COMPILE_LOSS", "auto", "loss")
+        super().__init__("compile_loss", "loss")
 
     def forward(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return self.run(_ce_forward, logits, p_all, rows)
@@ -678,7 +592,7 @@ def ttt_unroll(drafter: Eagle3Drafter, batch: Batch, steps: int):
     """The unroll's drafter steps: yields step k's output hidden [B, T, H] (pre-norm), k = 0..steps-1.
     The loss on each step is the caller's (`ttt_forward`, `ttt_forward_static`)."""
     hidden = drafter.fuse(batch.aux)  # [B, T, H]
-    dense = _TTT_DENSE
+    dense = KERNELS.ttt_attention == "dense"
     masks = ttt_masks(batch.doc, steps) if dense else [ttt_masks(batch.doc, 1)[0]] * steps
     past: list[tuple[torch.Tensor, torch.Tensor]] = []
     # Every step's RoPE (positions pos + k) in one pass, in the dtype q and k will have (the autocast
@@ -799,116 +713,6 @@ class TTTModule(nn.Module):
 
     def forward(self, batch: Batch, targets: Targets) -> TTTOut:
         return ttt_forward(self.drafter, batch, targets, steps=self.steps, decay=self.decay)
-
-
-def simulated_tau(acc: list[float]) -> float:
-    """Mean accepted tokens per target step for a chain of len(acc) drafts: 1 + sum_k prod_{i<=k} acc_i."""
-    tau, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        tau += run
-    return tau
-
-
-# ---------------------------------------------------------------- checkpoints
-
-CKPT_FILES = ("model.safetensors", "drafter_config.json", "optimizer.pt", "rng.pt", "state.json")
-
-
-def checkpoints_dir(drafter_dir: Path) -> Path:
-    return Path(drafter_dir) / "checkpoints"
-
-
-def list_checkpoints(drafter_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (renamed into place, every file present), oldest first."""
-    root = checkpoints_dir(drafter_dir)
-    out = []
-    if root.is_dir():
-        for p in root.iterdir():
-            if not p.name.startswith("step-") or not p.is_dir():
-                continue
-            try:
-                step = int(p.name[5:])
-            except ValueError:
-                continue
-            if all((p / f).is_file() for f in CKPT_FILES) and (read_json(p / "state.json") or {}).get("complete"):
-                out.append((step, p))
-    return sorted(out)
-
-
-def latest_checkpoint(drafter_dir: Path) -> Path | None:
-    cks = list_checkpoints(drafter_dir)
-    return cks[-1][1] if cks else None
-
-
-def load_drafter(ckpt_dir: str | os.PathLike[str], device: str | torch.device = "cpu") -> Eagle3Drafter:
-    """A drafter from a checkpoint directory (its config travels with it)."""
-    from safetensors.torch import load_file
-
-    ckpt_dir = Path(ckpt_dir)
-    cfg = DrafterConfig.from_dict(json.loads((ckpt_dir / "drafter_config.json").read_text()))
-    model = Eagle3Drafter(cfg)
-    model.load_state_dict(load_file(str(ckpt_dir / "model.safetensors")), strict=True)
-    return model.to(device)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save_checkpoint(drafter_dir: Path, step: int, drafter: Eagle3Drafter, optimizer, scheduler,
-                    state: dict[str, Any], keep: int) -> Path:
-    """Write step-<n>/ under a temp name, fsync, rename; then prune to the newest `keep`."""
-    from safetensors.torch import save_file
-
-    root = checkpoints_dir(drafter_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step}"
-    tmp = root / f".step-{step}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    sd = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    save_file(sd, str(tmp / "model.safetensors"))
-    (tmp / "drafter_config.json").write_text(json.dumps(drafter.config.to_dict(), indent=1) + "\n")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({**state, "step": step, "complete": True, "saved": now_iso()}, indent=1))
-    for f in CKPT_FILES:
-        _fsync_file(tmp / f)
-    if final.exists():  # a rerun reached the same step again (e.g. after resuming from an older one)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_file(root)
-    for _, old in list_checkpoints(drafter_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def _load_checkpoint(path: Path, drafter: Eagle3Drafter, optimizer, scheduler) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    sd = load_file(str(path / "model.safetensors"), device=str(drafter.fc.weight.device))
-    drafter.load_state_dict(sd, strict=True)
-    opt = torch.load(path / "optimizer.pt", map_location=drafter.fc.weight.device, weights_only=True)
-    if "optimizers" in opt["optimizer"] and not isinstance(optimizer, OptimizerSet):
-        raise ConfigError(f"{path}: the checkpoint's optimizer state holds {sorted(opt['optimizer']['optimizers'])}, "
-                          "this run has one AdamW: resume with the train.optimizer it was trained with")
-    optimizer.load_state_dict(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
-    rng = torch.load(path / "rng.pt", weights_only=True)
-    py = rng["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return json.loads((path / "state.json").read_text())
 
 
 # ---------------------------------------------------------------- distributed
@@ -1046,6 +850,8 @@ class _Trainer:
 
         self.cfg, self.tc, self.campaign, self.features_fn, self.dist = cfg, cfg.train, campaign, features_fn, dist
         tc = self.tc
+        set_kernel_options(ttt_attention=tc.ttt_attention, fused_loss=tc.fused_loss, compile_loss=tc.compile_loss,
+                           compile_layer=tc.compile_layer, sdpa_cudnn=tc.sdpa_cudnn)
         self.seed = tc.seed if tc.seed is not None else cfg.campaign.seed
         self.dir = campaign.phase_dir("train")
         self.metrics_path = self.dir / "metrics.jsonl"
@@ -1304,7 +1110,7 @@ class _Trainer:
         resumed_from = None
         ck = latest_checkpoint(self.dir)
         if ck is not None:
-            st = _load_checkpoint(ck, self.drafter, self.optimizer, self.scheduler)
+            st = load_checkpoint(ck, self.drafter, self.optimizer, self.scheduler)
             step, epoch, micro_in_epoch = st["step"], st["epoch"], st["micro_batches_in_epoch"]
             tokens_seen = st.get("tokens_seen", 0)
             resumed_from = step

@@ -1,6 +1,6 @@
 """Batched tau evaluation: many conversations through one speculative loop (eval.batch_size = B > 1).
 
-The batch-1 loop (specdec.speculative_generate) is what a deployment runs, and its wall clock is
+The batch-1 loop (loop.speculative_generate) is what a deployment runs, and its wall clock is
 the speedup. Acceptance does not need it: a small target at batch 1 leaves the device idle between
 kernel launches, so a full evaluation (MT-bench 80 x 2 turns, HumanEval, GSM8K, Spec-Bench 480,
 ~1,000 turns) took ~1 s per turn with 8 processes sharing an H200. Here B rows advance together:
@@ -18,7 +18,7 @@ kernel launches, so a full evaluation (MT-bench 80 x 2 turns, HumanEval, GSM8K, 
                 own steps overwrite them), the hidden of slot m_b - 1 starts the chain; k drafts.
       verify    target over [x_P, d_1..d_k] at P_b..P_b+k per row (each row's keys masked past
                 each query's own position), logits [B, k+1, V] and aux [B, k+1, n_aux, H_t].
-      accept    per row, as specdec.accept (greedy prefix at T = 0; speculative sampling at T > 0):
+      accept    per row, as loop.accept (greedy prefix at T = 0; speculative sampling at T > 0):
                 accept_rows. The accepted tokens and their aux become the row's pending slots.
     idle rows   (no conversation left) run along at positions 1..k+1 on their own garbage; nothing
                 reads it, and admit overwrites the row.
@@ -54,7 +54,7 @@ BATCHED_NA = "eval.batch_size > 1: conversations share batched forwards (tau and
 @torch.no_grad()
 def accept_rows(drafts: torch.Tensor, logits: torch.Tensor, q_draft: torch.Tensor | None, d2t: torch.Tensor | None,
                 *, temperature: float, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """specdec.accept for B rows at once -> (a [B] drafts accepted per row, next token [B]).
+    """loop.accept for B rows at once -> (a [B] drafts accepted per row, next token [B]).
 
     drafts [B, k] target ids; logits [B, k+1, V] (row j: the target after [last, d_1..d_j]);
     q_draft [B, k, Vd] the drafter's distributions the drafts were sampled from (T > 0 only).

@@ -1,6 +1,6 @@
 """The drafter of the eval loop on a preallocated KV cache, its greedy chain replayed as one CUDA graph.
 
-Two drafter runners share one interface, used by `specdec.speculative_generate`:
+Two drafter runners share one interface, used by `loop.speculative_generate`:
 
     reset(max_len)          an empty cache sized for max_len positions
     prefill(ids, fused)     positions 0..n-1: ids [1, n] (x_1..x_n), fused hidden [1, n, H]
@@ -11,7 +11,7 @@ Two drafter runners share one interface, used by `specdec.speculative_generate`:
     len(runner)             positions held
 
 `EagerDrafterRunner` (eval.drafter_runner = "eager") is the reference: the drafter's own forward
-with a growing K/V (specdec.DrafterCache). `StaticDrafterRunner` ("static") keeps K/V in one
+with a growing K/V (loop.DrafterCache). `StaticDrafterRunner` ("static") keeps K/V in one
 buffer [rows, kv_heads, capacity, head_dim] (rows = 1; evaluate/batched.py: a sequence per row),
 capacity a power of two (grown, prefix copied). Every call attends over keys 0..bucket-1 (bucket:
 the next power of two >= the last position + 1, from 256) with keys past each query's position
@@ -19,7 +19,7 @@ masked, so the shapes depend on (m, bucket) only. Draft
 positions past start+m-1 are written into the buffer and left there: every later call writes a
 position before any query reads it.
 
-CUDA graphs (CUDA, temperature 0, SPECOPS_EVAL_CUDA_GRAPHS=0 turns them off): the whole chain -- the
+CUDA graphs (CUDA, temperature 0, eval.cuda_graphs = false turns them off): the whole chain -- the
 m pending slots, k argmax drafts and the k-1 one-token steps between them -- is captured once per
 (m, bucket, k) and replayed: one launch per target step instead of ~k x (layer kernels + host
 work), which was 1.5 ms per draft token eagerly on the H200 (c = 0.39 of a target step at
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ from torch.nn.attention import sdpa_kernel
 from ..drafter.model import _MASKED_BACKENDS, Eagle3Drafter, _rotate_half
 from ..errors import ConfigError, SpecopsError
 from .fast_target import _pow2_at_least
+from .loop import EagerDrafterRunner, sample_token
 
 log = logging.getLogger("specops.eval")
 
@@ -55,45 +55,12 @@ DRAFTER_RUNNERS = ("auto", "eager", "static")
 MIN_BUCKET = 256
 
 
-class EagerDrafterRunner:
-    """The drafter's own forward on a growing K/V (the reference; specdec.draft)."""
-
-    name = "eager"
-    use_graphs = False
-
-    def __init__(self, drafter: Eagle3Drafter):
-        from .specdec import DrafterCache
-
-        self.drafter = drafter
-        self._new = DrafterCache
-        self.cache = DrafterCache()
-
-    def __len__(self) -> int:
-        return len(self.cache)
-
-    def reset(self, max_len: int) -> None:
-        self.cache = self._new()
-
-    @torch.no_grad()
-    def prefill(self, ids: torch.Tensor, fused: torch.Tensor) -> None:
-        n = ids.shape[1]
-        dev = self.drafter.d2t.device
-        out = self.drafter(ids.to(dev), fused.to(dev), torch.arange(n, device=dev)[None], return_logits=False)
-        self.cache.append(out.kv)
-
-    def draft(self, tokens: torch.Tensor, aux: torch.Tensor, start: int, k: int, *, temperature: float,
-              gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from .specdec import draft
-
-        return draft(self.drafter, self.cache, tokens, aux, start, k, temperature=temperature, gen=gen)
-
-
 class StaticDrafterRunner:
     """The drafter on a preallocated K/V, the greedy chain as one CUDA graph (module docstring)."""
 
     name = "static"
 
-    def __init__(self, drafter: Eagle3Drafter, *, cuda_graphs: bool | None = None, min_capacity: int = 512,
+    def __init__(self, drafter: Eagle3Drafter, *, cuda_graphs: bool = True, min_capacity: int = 512,
                  rows: int = 1):
         self.drafter = d = drafter
         cfg = d.config
@@ -108,8 +75,6 @@ class StaticDrafterRunner:
         self.length = 0
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        if cuda_graphs is None:
-            cuda_graphs = os.environ.get("SPECOPS_EVAL_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.graph_fallbacks = 0
         self._graphs: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = {}
@@ -195,8 +160,6 @@ class StaticDrafterRunner:
         q [k, Vd] or None). Temperature 0: argmax drafts, graph-capturable (pos0 is a 0-d device
         tensor, a graph input). Temperature > 0: each draft sampled from softmax(logits / T) with
         `gen` (eager only: the generator's state lives on the host)."""
-        from .specdec import _sample
-
         d = self.drafter
         m = tok.shape[1]
         pos = (pos0 + self.arange[:m])[None]  # [1, m]
@@ -206,7 +169,7 @@ class StaticDrafterRunner:
             logits = d.compute_logits(h[0, -1]).float()
             if temperature > 0:
                 qs.append(torch.softmax(logits / temperature, dim=-1))
-                t = d.draft_to_target(_sample(qs[-1], gen))
+                t = d.draft_to_target(sample_token(qs[-1], gen))
             else:
                 t = d.draft_to_target(logits.argmax(-1))
             drafts.append(t)
@@ -301,10 +264,11 @@ class StaticDrafterRunner:
             return None
 
 
-def make_drafter_runner(drafter: Eagle3Drafter, kind: str = "auto") -> EagerDrafterRunner | StaticDrafterRunner:
+def make_drafter_runner(drafter: Eagle3Drafter, kind: str = "auto", *, cuda_graphs: bool = True
+                        ) -> EagerDrafterRunner | StaticDrafterRunner:
     """eval.drafter_runner -> a runner; "auto": static on CUDA, eager elsewhere."""
     if kind not in DRAFTER_RUNNERS:
         raise ConfigError(f"eval.drafter_runner: expected one of {', '.join(map(repr, DRAFTER_RUNNERS))}, got {kind!r}")
     if kind == "static" or (kind == "auto" and drafter.d2t.device.type == "cuda"):
-        return StaticDrafterRunner(drafter)
+        return StaticDrafterRunner(drafter, cuda_graphs=cuda_graphs)
     return EagerDrafterRunner(drafter)

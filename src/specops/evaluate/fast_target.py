@@ -1,6 +1,6 @@
 """A static-cache target runner for the eval loop (batch 1), with CUDA graphs on GPU.
 
-`StaticTargetRunner` has `specdec.TargetRunner`'s interface (new_cache, crop, forward) and results,
+`StaticTargetRunner` has `loop.TargetRunner`'s interface (new_cache, crop, forward) and results,
 built from the local engine's fast-path pieces (generate/local.py: the HF model's own embeddings,
 norms, q/k/v/o projections, q/k norms, MLPs, lm_head and rotary table, our attention around them):
 
@@ -16,7 +16,7 @@ norms, q/k/v/o projections, q/k norms, MLPs, lm_head and rotary table, our atten
                 query axis (K/V read once per kv head) under a boolean mask; longer calls (prefill)
                 repeat K/V, causal SDPA when start = 0. Aux states are copied in-line: the input to
                 layer i, i = L the final norm's input, as TargetRunner's hooks see them.
-    CUDA graphs on CUDA (SPECOPS_EVAL_CUDA_GRAPHS=0 turns them off): every call with start > 0 and
+    CUDA graphs on CUDA (eval.cuda_graphs = false turns them off): every call with start > 0 and
                 T <= 32 (the baseline's one-token decode, the k+1-token verification) replays a
                 graph per (T, KV bucket, aux), the bucket the next power of two >= start+T from 256
                 (keys past start+T are masked). Inputs go through static buffers; outputs are
@@ -27,14 +27,13 @@ norms, q/k/v/o projections, q/k norms, MLPs, lm_head and rotary table, our atten
 Selection: eval.target_runner = "auto" (static on CUDA for a supported decoder, else hf), "hf"
 (TargetRunner: eager HF forward with a DynamicCache) or "static" (refused for an unsupported
 architecture; on CPU it runs without graphs). Supported: Llama, Mistral, Qwen2, Qwen3 decoders
-with a RoPE table that does not depend on the sequence length (local.fast_path_problem).
+with a RoPE table that does not depend on the sequence length (target.fastpath.fast_path_problem).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 from typing import Any, Sequence
 
@@ -42,7 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, InputError, SpecopsError
-from ..generate.local import _Layer, _layer_window, _rope, fast_path_problem
+from ..target.fastpath import _Layer, _layer_window, _rope, fast_path_problem
+from .loop import TargetRunner
 
 log = logging.getLogger("specops.eval")
 
@@ -56,7 +56,7 @@ MIN_BUCKET = 256  # smallest KV length a graph attends over
 
 
 def static_runner_problem(target: Any) -> str | None:
-    """Why `target` (an extract.TargetModel) cannot use the static runner, or None."""
+    """Why `target` (a target.inprocess.TargetModel) cannot use the static runner, or None."""
     problem = fast_path_problem(target.model, 0)
     if problem is None and target.decoder is not target.model.model:
         problem = "the decoder is not the model's `model` submodule"
@@ -89,12 +89,12 @@ class StaticTargetRunner:
 
     name = "static"
 
-    def __init__(self, target: Any, aux_layer_ids: Sequence[int], *, cuda_graphs: bool | None = None,
+    def __init__(self, target: Any, aux_layer_ids: Sequence[int], *, cuda_graphs: bool = True,
                  min_capacity: int = 512, rows: int = 1):
         problem = static_runner_problem(target)
         if problem is not None:
             raise ConfigError(f"the static target runner does not support this model: {problem}")
-        self.target = target  # extract.TargetModel
+        self.target = target  # target.inprocess.TargetModel
         self.model = target.model
         self.device = torch.device(target.device)
         self.dtype = target.dtype
@@ -126,8 +126,6 @@ class StaticTargetRunner:
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self._live: StaticKV | None = None
-        if cuda_graphs is None:
-            cuda_graphs = os.environ.get("SPECOPS_EVAL_CUDA_GRAPHS", "1") != "0"
         self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.graph_fallbacks = 0
         self._graphs: dict[tuple[int, int, bool], tuple[Any, torch.Tensor, torch.Tensor | None]] = {}
@@ -368,11 +366,10 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool((a - b).abs().max() <= tol * (1 + b.abs().max()))  # False on a NaN
 
 
-def make_target_runner(target: Any, aux_layer_ids: Sequence[int], kind: str = "auto") -> Any:
+def make_target_runner(target: Any, aux_layer_ids: Sequence[int], kind: str = "auto", *,
+                       cuda_graphs: bool = True) -> Any:
     """eval.target_runner -> a TargetRunner ("hf") or a StaticTargetRunner ("static"); "auto": static
     on CUDA when the architecture is supported, else hf."""
-    from .specdec import TargetRunner
-
     if kind not in TARGET_RUNNERS:
         raise ConfigError(f"eval.target_runner: expected one of {', '.join(map(repr, TARGET_RUNNERS))}, got {kind!r}")
     if kind == "hf":
@@ -381,10 +378,10 @@ def make_target_runner(target: Any, aux_layer_ids: Sequence[int], kind: str = "a
     if kind == "static":
         if problem is not None:
             raise ConfigError(f"eval.target_runner = 'static': {problem}; use 'hf' (or 'auto') for this target")
-        return StaticTargetRunner(target, aux_layer_ids)
+        return StaticTargetRunner(target, aux_layer_ids, cuda_graphs=cuda_graphs)
     if torch.device(target.device).type == "cuda":
         if problem is None:
-            return StaticTargetRunner(target, aux_layer_ids)
+            return StaticTargetRunner(target, aux_layer_ids, cuda_graphs=cuda_graphs)
         log.info("eval: the HF target runner (DynamicCache, no CUDA graphs): %s", problem)
     return TargetRunner(target, aux_layer_ids)
 

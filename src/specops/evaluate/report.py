@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..campaign import Campaign, atomic_write_bytes, now_iso, read_json
+from ..measures import simulated_tau
 
 __all__ = ["write_report", "verdict", "line_chart", "bar_chart"]
 
@@ -267,15 +268,6 @@ def _read_jsonl(path: Path) -> Iterable[dict[str, Any]]:
                 yield obj
 
 
-def _simulated_tau(acc: list[float]) -> float:
-    # = train.simulated_tau, repeated here to keep the report free of torch.
-    tau, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        tau += run
-    return tau
-
-
 def training_curves(metrics_path: Path) -> dict[str, list[tuple[float, float]]]:
     """{"train_loss", "val_loss", "train_tau" (simulated from per-step accuracy), "val_tau",
     "val_head_tau" (the val pass over each turn's first eval.max_new_tokens tokens)} as [(step, value)]."""
@@ -289,7 +281,7 @@ def training_curves(metrics_path: Path) -> dict[str, list[tuple[float, float]]]:
             out[f"{split}_loss"].append((step, float(row["loss"])))
         tau = row.get("tau")
         if tau is None and isinstance(row.get("acc"), list) and all(isinstance(a, (int, float)) for a in row["acc"]):
-            tau = _simulated_tau(row["acc"])
+            tau = simulated_tau(row["acc"])
         if isinstance(tau, (int, float)):
             out[f"{split}_tau"].append((step, float(tau)))
         if split == "val" and isinstance(row.get("tau_head"), (int, float)):

@@ -20,7 +20,7 @@ import orjson
 from ..campaign import Campaign
 from ..config import Config
 from ..errors import SpecopsError
-from .client import THINK_CLOSE, THINK_OPEN
+from ..text import count_repeating, has_think_tags
 from .types import Engine
 
 
@@ -49,7 +49,7 @@ def check_records(name: str, records: list[dict[str, Any]], failed: list[dict[st
     empty = [r["id"] for r in records if not (r.get("content") or "").strip() and not _has_tool_calls(r)]
     if empty:
         problems.append(f"{name}: {len(empty)}/{len(records)} samples came back with empty content ({empty[0]})")
-    stray = [r["id"] for r in records if THINK_OPEN in (r.get("content") or "") or THINK_CLOSE in (r.get("content") or "")]
+    stray = [r["id"] for r in records if has_think_tags(r.get("content"))]
     if stray:
         problems.append(
             f"{name}: think markers left in content ({stray[0]}): the server splits no reasoning; start it with a "
@@ -83,15 +83,13 @@ def check_records(name: str, records: list[dict[str, Any]], failed: list[dict[st
 
 
 # A sample "loops" when more than LOOP_SHARE of its generated tokens repeat a LOOP_NGRAM-token
-# window it already wrote (the build's repetition measure, build.repeating_tokens).
+# window it already wrote (the build's repetition measure, text.repeating_tokens).
 LOOP_NGRAM, LOOP_SHARE = 16, 0.3
 
 
 def loop_share(rec: dict[str, Any]) -> float:
     """Share of a record's generated tokens that repeat a LOOP_NGRAM window of their own turn: on
     the turns' token ids where the server returned them, else on the content's words."""
-    from ..build import count_repeating
-
     seqs = [t["token_ids"] for t in rec.get("turns") or [] if isinstance(t, dict) and isinstance(t.get("token_ids"), list)]
     if not seqs:
         words = (rec.get("content") or "").split()

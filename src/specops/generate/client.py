@@ -19,23 +19,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from ..text import THINK_CLOSE, split_think
 from .types import ChatRequest, Completion, RequestRejected, TransientError
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def split_think(text: str) -> tuple[str | None, str]:
-    """Split inline `<think>…</think>` reasoning out of content (servers without a reasoning parser).
-
-    Returns (reasoning or None, content). A missing opening tag with a closing tag (templates that
-    open the think block in the prompt) counts everything before `</think>` as reasoning.
-    """
-    if THINK_CLOSE not in text:
-        return None, text
-    head, _, tail = text.partition(THINK_CLOSE)
-    head = head.split(THINK_OPEN, 1)[1] if THINK_OPEN in head else head
-    return head.strip("\n"), tail.lstrip("\n")
-
 
 def _error_message(body: bytes) -> str:
     try:

@@ -38,7 +38,6 @@ import asyncio
 import collections
 import inspect
 import logging
-import os
 import queue
 import threading
 import time
@@ -50,14 +49,11 @@ import torch
 import torch.nn.functional as F
 
 from ..models import resolve_device, resolve_dtype
+from ..target.fastpath import _Layer, _layer_window, _rope, fast_path_problem
+from ..text import split_think
 from .types import ChatRequest, Completion, EngineError, RequestRejected, TransientError
 
 log = logging.getLogger("specops.generate.local")
-
-FAST_PATH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# RoPE types whose cos/sin at a position do not depend on the sequence length (so one table serves).
-_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
 
 _STOP = object()  # queue sentinel
 
@@ -84,87 +80,11 @@ class _Item:
         return len(self.prompt_ids) + len(self.generated)
 
 
-def split_reasoning(text: str) -> tuple[str, str | None]:
-    """(content, reasoning) from generated text that may hold a `<think>…</think>` block."""
-    if "</think>" in text:
-        head, _, tail = text.partition("</think>")
-        head = head.strip()
-        if head.startswith("<think>"):
-            head = head[len("<think>") :]
-        return tail.strip(), head.strip()
-    stripped = text.lstrip()
-    if stripped.startswith("<think>"):  # reasoning cut off before it closed
-        return "", stripped[len("<think>") :].strip()
-    return text, None
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return (x * cos) + (_rotate_half(x) * sin)
-
-
-class _Layer:
-    __slots__ = ("ln1", "ln2", "q", "k", "v", "o", "q_norm", "k_norm", "mlp", "scaling", "window")
-
-    def __init__(self, layer: Any, window: int | None):
-        attn = layer.self_attn
-        self.ln1 = layer.input_layernorm
-        self.ln2 = layer.post_attention_layernorm
-        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-        self.q_norm = getattr(attn, "q_norm", None)
-        self.k_norm = getattr(attn, "k_norm", None)
-        self.mlp = layer.mlp
-        self.scaling = float(attn.scaling)
-        self.window = window
-
-
-def fast_path_problem(model: Any, max_model_len: int) -> str | None:
-    """Why `model` cannot use the fast path, or None when it can."""
-    cfg = model.config
-    mt = getattr(cfg, "model_type", "?")
-    if mt not in FAST_PATH_MODEL_TYPES:
-        return f"model_type {mt!r} is not one of {', '.join(FAST_PATH_MODEL_TYPES)}"
-    base = getattr(model, "model", None)
-    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
-        if not hasattr(base, name):
-            return f"the model has no model.{name}"
-    if not hasattr(model, "lm_head"):
-        return "the model has no lm_head"
-    rope_type = getattr(base.rotary_emb, "rope_type", "default")
-    if rope_type not in _STATIC_ROPE_TYPES:
-        return f"rope type {rope_type!r} depends on the sequence length"
-    for i, layer in enumerate(base.layers):
-        attn = getattr(layer, "self_attn", None)
-        need = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
-        if attn is None or not all(hasattr(attn, n) for n in need):
-            return f"layer {i} has no standard self_attn"
-        if not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
-            return f"layer {i} is not a pre-norm decoder layer"
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(cfg, name, None):
-            return f"{name} is set"
-    return None
-
-
-def _layer_window(cfg: Any, layer: Any, max_model_len: int) -> int | None:
-    attn = layer.self_attn
-    if hasattr(attn, "sliding_window"):  # qwen2/qwen3 set it per layer (None for full attention)
-        win = attn.sliding_window
-    else:  # mistral reads it from the config
-        win = getattr(cfg, "sliding_window", None)
-    if win is None or int(win) >= max_model_len:
-        return None  # the window never cuts anything off
-    return int(win)
-
-
 class FastDecoder:
     """Batched prefill + static-shape decode step over a preallocated per-slot KV cache."""
 
-    def __init__(self, model: Any, *, batch_size: int, max_model_len: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: Any, *, batch_size: int, max_model_len: int, device: torch.device, dtype: torch.dtype,
+                 cuda_graphs: bool = True):
         cfg = model.config
         base = model.model
         self.device, self.dtype = device, dtype
@@ -197,7 +117,7 @@ class FastDecoder:
         # Static inputs of the decode step (CUDA graphs replay from these addresses).
         self.tokens = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.use_graphs = device.type == "cuda" and os.environ.get("SPECOPS_LOCAL_CUDA_GRAPHS", "1") != "0"
+        self.use_graphs = device.type == "cuda" and cuda_graphs
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
@@ -357,6 +277,7 @@ class LocalEngine:
         model_name: str = "local",
         tokenizer_dir: Path | str | None = None,
         prefill_token_budget: int | None = None,
+        cuda_graphs: bool = True,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -368,6 +289,7 @@ class LocalEngine:
         self.batch_size = batch_size
         self.max_model_len = max_model_len
         self.model_name = model_name
+        self.cuda_graphs = cuda_graphs
         # padded tokens in one prefill batch (a longer prompt still runs, alone)
         self.prefill_token_budget = prefill_token_budget or max(4096, max_model_len)
 
@@ -430,6 +352,7 @@ class LocalEngine:
                     max_model_len=self.max_model_len,
                     device=self.device,
                     dtype=self.dtype,
+                    cuda_graphs=self.cuda_graphs,
                 )
             log.info(
                 "local engine: %s on %s (%s), fast path with continuous refill, batch %d, max_model_len %d%s",
@@ -566,7 +489,7 @@ class LocalEngine:
         ids = list(gen)
         with self._tok_lock:
             text = self.tokenizer.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
-        content, reasoning = split_reasoning(text)
+        reasoning, content = split_think(text)
         comp = Completion(
             content=content,
             reasoning=reasoning,

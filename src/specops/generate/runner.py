@@ -118,6 +118,7 @@ def build_engine(cfg: Config) -> Engine:
         max_model_len=e.max_model_len,
         model_name=name,
         tokenizer_dir=cfg.target.tokenizer,
+        cuda_graphs=e.cuda_graphs,
     )
 
 

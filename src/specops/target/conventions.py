@@ -1,0 +1,100 @@
+"""The target's conventions, one definition each: which config is the language model's, and which
+hidden states EAGLE-3 reads. Pure Python (no torch): preflight, forecasts and export use them.
+
+Aux layer ids are "input to layer" ids (= HF `output_hidden_states` index i; vLLM's and
+speculators' convention): id 0 is the embedding output, id t the input of decoder layer t, id L
+(the number of layers) the last layer's output before the final norm. Every phase that writes or
+reads features, trains, exports or evaluates a drafter takes its default ids from
+`default_aux_layer_ids`, so they agree for every layer count.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+AUX_CONVENTION = "input-to-layer (= HF hidden_states index)"
+
+# Where multimodal and wrapper configs keep the language model's config (Llava/Gemma-3/Qwen-VL:
+# text_config; InternVL-style: llm_config; others: language_config or language_model).
+TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config", "language_model")
+
+
+def _field(cfg: Any, name: str) -> Any:
+    return cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
+
+
+def text_config(cfg: Any) -> Any:
+    """The language-model part of a config: a config.json dict or a transformers config object.
+
+    A config that carries `num_hidden_layers` itself is a language model's; otherwise the first
+    nested config under TEXT_CONFIG_KEYS that does is returned; else `cfg` unchanged. A
+    transformers object answers with its own `get_text_config()`.
+    """
+    if not isinstance(cfg, Mapping) and hasattr(cfg, "get_text_config"):
+        return cfg.get_text_config()
+    if _field(cfg, "num_hidden_layers") is not None:
+        return cfg
+    for key in TEXT_CONFIG_KEYS:
+        sub = _field(cfg, key)
+        if sub is not None and not isinstance(sub, (str, bytes, int, float, bool, list)):
+            return sub
+    return cfg
+
+
+def text_field(cfg: Any, name: str, default: Any = None) -> Any:
+    """A field of the text config, falling back to the top level (multimodal configs may keep
+    e.g. vocab_size or tie_word_embeddings there)."""
+    for c in (text_config(cfg), cfg):
+        v = _field(c, name)
+        if v is not None:
+            return v
+    return default
+
+
+def read_text_config(model_dir: str | os.PathLike[str], *, trust_remote_code: bool = False) -> Any:
+    """The text config of a model directory as a transformers config object. Cheap (no weights)."""
+    from transformers import AutoConfig
+
+    return text_config(AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code))
+
+
+def engine_default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
+    """[2, L//2, L-3]: what vLLM (`SupportsEagle3`), SGLang and speculators use when a drafter's
+    config names no ids."""
+    L = int(num_hidden_layers)
+    return [2, L // 2, L - 3]
+
+
+def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
+    """specops' default three aux ids for a target of L decoder layers; exports always write them.
+
+    L >= 7: the engines' default (`engine_default_aux_layer_ids`). 4 <= L <= 6: [1, L//2, L-1];
+    3: [0, 1, 2]. The engines' formula repeats or leaves the range there (L = 6 gives [2, 3, 3]),
+    and vLLM's hidden-state capture fails on repeated ids, so small stacks get three distinct
+    inputs of real layers spread over the depth.
+    """
+    L = int(num_hidden_layers)
+    if L >= 7:
+        return engine_default_aux_layer_ids(L)
+    if L >= 4:
+        return [1, L // 2, L - 1]
+    if L == 3:
+        return [0, 1, 2]
+    raise ValueError(f"a target of {L} layer(s) has no three distinct aux layers: set aux_layer_ids")
+
+
+def aux_layer_ids_problem(ids: Sequence[int], num_hidden_layers: int) -> str | None:
+    """Why `ids` cannot be a drafter's aux layer ids for an L-layer target, or None."""
+    L = int(num_hidden_layers)
+    if not ids:
+        return "no aux layer ids"
+    if any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
+        return f"aux layer ids must be integers: {list(ids)}"
+    bad = [i for i in ids if not 0 <= i <= L]
+    if bad:
+        return f"aux layer ids {bad} out of range 0..{L} (input-to-layer ids; {L} is the last layer's output)"
+    if len(set(ids)) != len(ids):
+        return f"aux layer ids {list(ids)} repeat an id"
+    return None
