@@ -6,7 +6,7 @@ layer id read under the wrong convention still "works" with one layer's worth of
 So an export is validated before it is written, written to a temp dir and renamed, and then read
 back by `check_export`, the same checker that `specops export --check DIR` runs on third-party dirs.
 
-What the loaders read (sources read 2026-12-02; commits named in tests/test_export.py):
+What the loaders read (at the commits named in tests/test_export.py):
 
 * vLLM `vllm/model_executor/models/llama_eagle3.py`, `Eagle3LlamaForCausalLM.load_weights`:
   skips `t2d`; renames `d2t` -> `draft_id_to_target_id` (absent: that buffer stays zeros, i.e. an

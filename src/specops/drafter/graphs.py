@@ -1,9 +1,9 @@
 """The training micro-step (teacher, TTT unroll, loss, backward) replayed as a CUDA graph.
 
-Why: a drafter step is small. On the H200 a SmolLM2-sized step at 8,192 tokens per optimizer step
-took 90 ms against 115 ms at 16,384 (session 8): half the tokens cost 78 % of the time, because the
-host issues ~2,000 kernels per step (7 unrolled steps, forward and backward) and the GPU waits on
-it. A CUDA graph replays all of them with one launch.
+Why: a drafter step is small. On an H200 a SmolLM2-sized step at 8,192 tokens per optimizer step
+takes ~90 ms against ~115 ms at 16,384: half the tokens cost 78 % of the time, because the host
+issues ~2,000 kernels per step (7 unrolled steps, forward and backward) and the GPU waits on it. A
+CUDA graph replays all of them with one launch.
 
 What makes it possible:
 - `train.ttt_forward_static`: the same loss with no host sync and no data-dependent shape (the

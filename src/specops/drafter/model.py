@@ -40,9 +40,8 @@ from ..target import default_aux_layer_ids, text_config
 
 # Masked attention on CUDA: the memory-efficient kernel (flash takes no mask; math is the last
 # resort). Left to itself, torch picks cuDNN's, which builds a plan for every new (batch, length)
-# shape -- ~20 ms of host time per call (H200 profile, bench/results/h200-2026-12-03/train-prof.txt),
-# and training batches change shape at almost every step. SPECOPS_SDPA_CUDNN=1 keeps torch's choice
-# (bench/train_gpu.py --vary-len measures both).
+# shape -- ~20 ms of host time per call on an H200 -- and training batches change shape at almost
+# every step. train.sdpa_cudnn = true keeps torch's choice (bench/train_gpu.py --vary-len measures both).
 _MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
@@ -126,8 +125,8 @@ class CompiledOrEager:
 class _LayerRegions(CompiledOrEager):
     """The drafter layer's elementwise-heavy parts in training's unroll, fused by torch.compile.
 
-    A SmolLM2-sized training step on the H200 issued ~1,950 kernel launches and spent more host
-    time than device time (bench/results/h200-2026-12-03e/train-prof.txt): per TTT step the three
+    A SmolLM2-sized training step on an H200 issues ~1,950 kernel launches and spends more host
+    time than device time: per TTT step the three
     RMSNorms (fp32 statistics), RoPE, the concat, SiLU-gate and residual adds are each several small
     kernels forward and more backward. Two regions around the attention core (`_mid_pre`: norms,
     concat, q/k/v projections and RoPE; `_mid_post`: o_proj, residuals, the MLP) are compiled with

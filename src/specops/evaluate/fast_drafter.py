@@ -22,8 +22,7 @@ position before any query reads it.
 CUDA graphs (CUDA, temperature 0, eval.cuda_graphs = false turns them off): the whole chain -- the
 m pending slots, k argmax drafts and the k-1 one-token steps between them -- is captured once per
 (m, bucket, k) and replayed: one launch per target step instead of ~k x (layer kernels + host
-work), which was 1.5 ms per draft token eagerly on the H200 (c = 0.39 of a target step at
-SmolLM2 scale). A graph's first replay is checked against the same chain run eagerly on the
+work), ~1.5 ms per draft token eagerly on an H200 (c = 0.39 of a target step at SmolLM2 scale). A graph's first replay is checked against the same chain run eagerly on the
 static cache; a capture that raises or a replay that differs turns graphs off for the runner with
 a warning, and the chain runs eagerly. At temperature > 0 (sampling with a torch.Generator) the
 chain always runs eagerly on the static cache.
