@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as _dt
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -70,6 +71,20 @@ def fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    """Hex sha256 of a file's bytes, read into one reused buffer (no fresh bytes object per block).
+
+    16 MiB: freeing a smaller buffer leaves glibc's mmap threshold lower, which slows the CPU
+    path's forwards (fp8 temporaries) afterwards.
+    """
+    h = hashlib.sha256()
+    buf = memoryview(bytearray(chunk))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(buf[:n])  # hashlib drops the GIL for large blocks
+    return h.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:

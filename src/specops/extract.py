@@ -80,7 +80,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json
+from .campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json, sha256_file
 from .config import Config, load_config
 from .errors import ConfigError, DiskFull, InputError, SpecopsError
 from .features import (
@@ -91,7 +91,6 @@ from .features import (
     _usable_cpus,
     feature_bytes_per_token,
     shard_digest,
-    sha256_file,
     shard_layout,
     to_storage,
 )

@@ -352,20 +352,6 @@ def shard_digest(path: Path, *, unit: int = DIGEST_UNIT) -> str:
     return hashlib.sha256(b"".join(parts)).hexdigest()
 
 
-def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
-    """Hex sha256 of a file's bytes, read into one reused buffer (no fresh bytes object per block).
-
-    16 MiB: freeing a smaller buffer leaves glibc's mmap threshold lower, which slows the CPU
-    path's forwards (fp8 temporaries) afterwards.
-    """
-    h = hashlib.sha256()
-    buf = memoryview(bytearray(chunk))
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(buf[:n])  # hashlib drops the GIL for large blocks
-    return h.hexdigest()
-
-
 class FeatureReader:
     """features/<split>/ read lazily: index.json checked, one open handle per shard, rows of a
     sample sliced on demand and fp8 dequantised by `dequantize_fp8`.

@@ -49,7 +49,6 @@ Layer ids. Ours are "input to layer" ids = HF `output_hidden_states` indices, de
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -62,6 +61,7 @@ import safetensors
 import torch
 from safetensors.torch import save_file
 
+from specops.campaign import sha256_file
 from specops.checks.result import CheckResult, worst
 
 from specops.target import AUX_CONVENTION, engine_default_aux_layer_ids, text_config
@@ -442,7 +442,7 @@ def _write_dir(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.T
     try:
         weights = tmp / "model.safetensors"
         save_file(tensors, str(weights), metadata={"format": "pt"})
-        manifest["sha256"] = {"model.safetensors": _sha256(weights)}
+        manifest["sha256"] = {"model.safetensors": sha256_file(weights)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         for f in tmp.iterdir():
@@ -458,14 +458,6 @@ def _write_dir(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.T
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def export_vllm(
