@@ -21,7 +21,7 @@ from specops.evaluate.fast_drafter import StaticDrafterRunner
 from specops.evaluate.fast_target import StaticTargetRunner
 from specops.evaluate.loop import accept, speculative_generate
 
-from test_fast_target import chat_target_and_drafter, debug_drafter, greedy_reference, load, make_target, rand_ids
+from builders import chat_target_and_drafter, debug_drafter, greedy_reference, load, make_target, rand_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -4,7 +4,6 @@ two-process torchrun, and the disk forecast. Tiny random-weight models built fro
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -16,36 +15,29 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from specops.campaign import Campaign
-from specops.config import config_from_dict
 from specops.errors import SpecopsError
 from specops.extract import plan_batches, plan_shards, plan_window_batches, run_extract
 from specops.features import DIGEST_KIND, CONVENTION, feature_bytes_per_token, read_shard, read_split, to_storage
 from specops.target.inprocess import compute_features, load_target
 
+from builders import (
+    AUX,
+    LENGTHS,
+    build_split,
+    check_against_hf,
+    digest,
+    make_campaign,
+    make_llama,
+    random_lengths,
+    sha256,
+    shard_files,
+)
 from tiny_targets import LAYERS as L  # 8: default aux ids [2, 4, 5], all distinct
-from tiny_targets import VOCAB, make_deepseek_and_llava, randomize_norms
-
-AUX = [2, 4, 5]
+from tiny_targets import VOCAB, make_deepseek_and_llava
 
 
 # ----------------------------------------------------------------------------- tiny models
-
-
-def make_llama(path: Path, hidden: int = 64, layers: int = L) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
-    randomize_norms(model)
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -54,112 +46,6 @@ def llama_dir(tmp_path_factory) -> Path:
 
 
 # ----------------------------------------------------------------------------- campaign + build
-
-
-def write_build(build: Path, lengths: dict[str, list[int]], seed: int = 0) -> None:
-    """build/<split>.safetensors + <split>.ids.jsonl in the fixed format (DESIGN, File formats)."""
-    build.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    for split, lens in lengths.items():
-        n = sum(lens)
-        offsets = torch.zeros(len(lens) + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
-        save_file(
-            {
-                "input_ids": torch.randint(0, VOCAB, (n,), generator=g, dtype=torch.int32),
-                "loss_mask": (torch.rand(n, generator=g) > 0.3).to(torch.uint8),
-                "offsets": offsets,
-            },
-            str(build / f"{split}.safetensors"),
-        )
-        with open(build / f"{split}.ids.jsonl", "w") as f:
-            for i, k in enumerate(lens):
-                f.write(json.dumps({"id": f"d/{split}{i}", "dataset": "d", "n_tokens": k, "n_trainable": k}) + "\n")
-
-
-def random_lengths(n: int, seed: int, lo: int = 1, hi: int = 120) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-
-
-LENGTHS = {
-    # 300 > token_budget (runs alone), 400 > shard_tokens (a shard of its own)
-    "train": random_lengths(30, 1) + [300] + random_lengths(10, 2) + [400] + random_lengths(5, 3),
-    "val": random_lengths(7, 4),
-}
-
-
-def make_campaign(root: Path, model_dir: Path, lengths=LENGTHS, **extract) -> tuple:
-    root.mkdir(parents=True, exist_ok=True)
-    prompts = root.parent / f"{root.name}-prompts.jsonl"
-    prompts.write_text('{"id": "q0", "prompt": "hi"}\n')
-    extract = {"shard_tokens": 600, "token_budget": 256, **extract}
-    cfg = config_from_dict({
-        "campaign": {"name": root.name, "dir": str(root)},
-        "target": {"model": str(model_dir)},
-        "datasets": [{"name": "d", "path": str(prompts)}],
-        "extract": extract,
-    })  # fmt: skip
-    camp = Campaign.create_or_open(cfg)
-    write_build(camp.root / "build", lengths)
-    return cfg, camp
-
-
-def build_split(camp: Campaign, split: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(camp.root / "build" / f"{split}.safetensors"))
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def digest(path: Path, unit: int = 64 << 20) -> str:
-    """A shard's recorded digest, computed independently of extract.shard_digest: sha256 over the
-    concatenated sha256 digests of the file's consecutive `unit`-byte pieces."""
-    data = path.read_bytes()
-    pieces = [data[i:i + unit] for i in range(0, len(data), unit)] or [b""]
-    return hashlib.sha256(b"".join(hashlib.sha256(x).digest() for x in pieces)).hexdigest()
-
-
-def hf_reference(model, ids: torch.Tensor, decoder) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(HF hidden_states [L+1, T, H], HF hidden_states[-1], pre-norm final from a norm-less forward).
-
-    The pre-norm reference uses no hooks: the decoder's norm is swapped for Identity, so its
-    last_hidden_state is the last layer's output.
-    """
-    with torch.no_grad():
-        hs = model(ids[None].long(), output_hidden_states=True).hidden_states
-        norm = decoder.norm
-        decoder.norm = torch.nn.Identity()
-        try:
-            pre = decoder(input_ids=ids[None].long()).last_hidden_state[0]
-        finally:
-            decoder.norm = norm
-    return torch.stack([h[0] for h in hs]), hs[-1][0], pre
-
-
-def check_against_hf(stored, build, model, decoder, aux_ids, every: int = 1) -> None:
-    offs = build["offsets"].tolist()
-    assert sorted(stored) == list(range(len(offs) - 1))
-    lengths = [offs[i + 1] - offs[i] for i in range(len(offs) - 1)]
-    longest = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:2]  # the budget/shard edge cases
-    for i, rec in stored.items():
-        assert torch.equal(rec["input_ids"], build["input_ids"][offs[i] : offs[i + 1]])
-        assert torch.equal(rec["loss_mask"], build["loss_mask"][offs[i] : offs[i + 1]])
-        if i % every and i not in longest:
-            continue
-        ids = build["input_ids"][offs[i] : offs[i + 1]]
-        hs, post, pre = hf_reference(model, ids, decoder)
-        assert rec["aux"].dtype == torch.bfloat16 and rec["aux"].shape == (len(ids), 3, hs.shape[-1])
-        for j, layer in enumerate(aux_ids):
-            torch.testing.assert_close(rec["aux"][:, j], hs[layer].to(torch.bfloat16))
-        torch.testing.assert_close(rec["final"], pre.to(torch.bfloat16))
-        # HF's hidden_states[-1] is post-norm: the norm of our final, and not our final.
-        with torch.no_grad():
-            torch.testing.assert_close(decoder.norm(rec["final"].float()), post, rtol=2e-2, atol=2e-2)
-        assert not torch.allclose(rec["final"].float(), post, rtol=0.1, atol=0.1)
 
 
 # ----------------------------------------------------------------------------- plan units
@@ -493,10 +379,6 @@ def test_other_plan_is_refused(tmp_path, llama_dir):
 
 
 # ----------------------------------------------------------------------------- pipeline failures
-
-
-def shard_files(d: Path) -> dict[str, str]:
-    return {q.name: sha256(q) for q in sorted(d.glob("shard-*.safetensors"))}
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,6 @@ several consecutive shards of a rank, each row written to its own shard.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -35,7 +34,7 @@ from specops.extract import plan_batches, plan_shards, plan_window_batches, plan
 from specops.target.inprocess import compute_features, load_target
 from specops.features import read_split, to_storage
 
-from test_extract import (
+from builders import (
     digest,
     AUX,
     build_split,

@@ -20,7 +20,7 @@ import torch
 from specops import extract, features
 from specops.extract import run_extract
 
-from test_extract import digest, make_campaign, make_llama, shard_files
+from builders import digest, make_campaign, make_llama, shard_files
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -232,7 +232,7 @@ def test_write_path_benchmark_runs_and_reports(tmp_path, repo):
 
 
 def test_shard_digest_is_the_sha256_of_its_pieces_digests(tmp_path, monkeypatch):
-    """features.shard_digest equals the independent definition (test_extract.digest) for pieces that
+    """features.shard_digest equals the independent definition (builders.digest) for pieces that
     divide the file, that do not, one piece for all, reads smaller than a piece, and an empty file."""
     import hashlib
 

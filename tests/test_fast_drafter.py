@@ -18,7 +18,7 @@ from specops.evaluate.loop import EagerDrafterRunner
 from specops.evaluate.fast_target import StaticTargetRunner
 from specops.evaluate.loop import speculative_generate
 
-from test_fast_target import AUX, HIDDEN, debug_drafter, greedy_reference, load, make_target, rand_ids
+from builders import AUX, HIDDEN, debug_drafter, greedy_reference, load, make_target, rand_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -10,10 +10,8 @@ test doubles) and the eval summary. One test runs the bundled SmolLM2; one (gpu)
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,74 +21,11 @@ from specops.errors import ConfigError, SpecopsError
 from specops.evaluate.fast_target import StaticTargetRunner, make_target_runner, runner_info
 from specops.evaluate.loop import TargetRunner, speculative_generate, target_generate
 
-AUX = [2, 4, 5]  # the drafter's ids for L = 8
-HIDDEN = 96
+from builders import AUX, HIDDEN, chat_target_and_drafter, debug_drafter, greedy_reference, load, make_target, rand_ids
+
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def tiny_config(arch: str, vocab: int = 96, layers: int = 8):
-    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen3Config
-
-    common = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                  tie_word_embeddings=False)  # 3 query heads per kv head, as SmolLM2
-    if arch == "llama":
-        return LlamaConfig(**common)
-    if arch == "qwen3":  # q_norm / k_norm, explicit head_dim
-        return Qwen3Config(head_dim=24, **common)
-    if arch == "mistral-sliding":  # a window shorter than the sequences below
-        return MistralConfig(sliding_window=12, **common)
-    if arch == "gemma":  # not a supported model type
-        return GemmaConfig(head_dim=16, **common)
-    raise ValueError(arch)
-
-
-def make_target(path: Path, arch: str = "llama", *, vocab: int = 96, layers: int = 8, sharp: float = 10.0,
-                seed: int = 0) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab, layers), dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(sharp)  # peaked next-token distributions: no argmax near-ties
-        for name, p in model.named_parameters():  # norm weights != 1: a skipped norm would show
-            if name.endswith("norm.weight"):
-                p.copy_(0.5 + torch.rand(p.shape, generator=g))
-    model.save_pretrained(path)
-    return path
-
-
-def load(path: Path, device: str = "cpu"):
-    from specops.target.inprocess import load_target
-
-    return load_target(path, "float32", device)
-
-
-def debug_drafter(vocab: int, *, seed: int = 0) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    cfg = DrafterConfig.debug(target_vocab_size=vocab, draft_vocab_size=vocab // 2, aux_layer_ids=AUX,
-                              target_hidden_size=HIDDEN, target_num_hidden_layers=8)
-    d = Eagle3Drafter(cfg).eval()
-    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[: vocab // 2].sort().values
-    d.set_vocab(ids - torch.arange(vocab // 2))
-    return d
-
-
-@torch.no_grad()
-def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
-    """The target's greedy continuation by full recompute (no cache)."""
-    ids = list(prompt)
-    dev = next(model.parameters()).device
-    for _ in range(n):
-        ids.append(int(model(torch.tensor([ids], device=dev)).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
-def rand_ids(vocab: int, n: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _assert_same(a: tuple, b: tuple, what: str, tol: float = 1e-4) -> None:
@@ -266,23 +201,6 @@ def test_config_field():
     assert config_from_dict({**base, "eval": {"target_runner": "static"}}).eval.target_runner == "static"
     with pytest.raises(ConfigError, match="eval.target_runner: expected one of 'auto', 'hf', 'static', got 'fast'"):
         config_from_dict({**base, "eval": {"target_runner": "fast"}})
-
-
-def chat_target_and_drafter(tmp_path: Path) -> tuple[Path, Path]:
-    """A tiny target with SmolLM2's vocab and chat template, and a random drafter export for it."""
-    from transformers import AutoTokenizer
-
-    from specops.drafter.export import export_vllm
-    from specops.models import resolve_model_dir
-
-    model = make_target(tmp_path / "chat", vocab=49152, seed=4)
-    AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2"))).save_pretrained(model)
-    torch.manual_seed(0)
-    hf = json.loads((model / "config.json").read_text())
-    d = Eagle3Drafter(DrafterConfig.from_target(hf, 32000))
-    export = export_vllm(d.state_dict(), d.config.to_dict(), tmp_path / "vllm", target_config=hf,
-                         aux_layer_ids=d.config.aux_layer_ids, target_name_or_path=str(model))
-    return model, export
 
 
 def test_run_eval_static_runner_recorded_and_lossless(tmp_path):
