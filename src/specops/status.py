@@ -94,6 +94,7 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
             "latency_p50_s": (st.get("latency_s") or {}).get("p50"),
             "reasoning_capture_rate": st.get("reasoning_capture_rate"),
             "errors": st.get("errors") or {},
+            "empty_input": bool(pick("empty_input")),
         }
         settled = d["done"] + d["failed"] + d["quarantined"]
         d["remaining"] = max(0, (d["total"] or 0) - settled) if d["total"] is not None else None
@@ -287,6 +288,9 @@ def render(report: StatusReport):
                   str(x["quarantined"]), str(x["in_flight"]), f"{x['completion_tokens']:,}",
                   "-" if x["latency_p50_s"] is None else f"{x['latency_p50_s']:.2f}")
     parts: list[Any] = [head, t]
+    for name, x in d.get("datasets", {}).items():
+        if x.get("empty_input"):
+            parts.append(Text(f"{name}: the input holds no records (empty or blank lines only)", style="yellow"))
     for p in report.problems:
         parts.append(Text(f"PROBLEM: {p}", style="bold red"))
     if d.get("log_tail"):
