@@ -170,3 +170,52 @@ def test_server_outage_waits_behind_the_gate_and_status_shows_it(tmp_path):
         srv.stop()
     ids = [json.loads(x)["id"] for x in (camp / "generate" / "ds" / "records.jsonl").read_text().splitlines()]
     assert len(ids) == len(set(ids)) == 80
+
+
+def test_status_during_train_shows_each_figure_under_its_phase(tmp_path):
+    """generate is done (with retried errors), train is running: generate's error rate, rate and
+    per-dataset counts sit under the generate heading, train's step, rate and ETA under train."""
+    from rich.console import Console
+
+    from specops.campaign import Campaign, RunLock, now_iso
+    from specops.status import collect, render
+
+    script = [{"match": "^ds/q[0-4]$", "times": 1, "fault": "status", "status": 500, "message": "busy"}]
+    with start_fake_server(tmp_path / "srv", script=script, model="fake-model") as srv:
+        cfg = write_config(tmp_path, srv.url, 20, 4)
+        out = specops("generate", str(cfg), "--no-progress")
+        assert out.returncode == 0, out.stderr
+    camp = Campaign(tmp_path / "camp")
+    stats = json.loads((camp.dataset_dir("ds") / "stats.json").read_text())
+    assert stats["done"] == 20 and stats["errors"] == {"http_500": 5}
+    # train running in this process: the lock and a heartbeat as the trainer writes it
+    camp.set_phase("train", "running", pid=os.getpid())
+    now = time.time()
+    camp.heartbeat_path.write_text(json.dumps({
+        "pid": os.getpid(), "phase": "train", "state": "running", "ts": now, "iso": now_iso(), "started": now - 20,
+        "step": 40, "total_steps": 100, "window": {"tokens_per_s": 5000.0, "steps_per_s": 2.0}, "eta_s": 30.0,
+        "last_val": {"step": 30, "tau": 2.5, "tau_head": 2.75, "head_tokens": 256}}))
+    lock = RunLock(camp, "train").acquire()
+    try:
+        rep = collect(camp.root)
+    finally:
+        lock.release()
+    assert rep.state == "running" and rep.problems == [], rep.problems
+    con = Console(width=200, record=True)
+    con.print(render(rep))
+    lines = con.export_text().splitlines()
+    gen = next(i for i, x in enumerate(lines) if x.startswith("generate:"))
+    table = next(i for i, x in enumerate(lines) if "dataset" in x and "done" in x)
+    row = next(i for i, x in enumerate(lines) if "│ ds " in x)
+    tr = next(i for i, x in enumerate(lines) if x.startswith("train:"))
+    assert gen < table < row < tr, lines
+    assert lines[gen].startswith("generate: done") and "error rate 20.0%" in lines[gen], lines[gen]
+    assert "tok/s" not in lines[gen]  # train's rate is not generate's
+    assert lines[tr] == "train: step 40/100 (40%), 5,000 tok/s, ETA 0m30s", lines[tr]
+    assert lines[tr + 1].startswith("  val at step 30: simulated tau 2.500")
+    assert sum("error rate" in x for x in lines) == 1
+    js = rep.to_json()
+    assert "error_rate" not in js and js["generate"]["error_rate"] == 0.2
+    assert js["generate"]["state"] == "done" and js["generate"]["datasets"]["ds"]["done"] == 20
+    assert js["generate"]["window"] is None  # the heartbeat is train's
+    assert js["train"]["step"] == 40 and js["train"]["tokens_per_s"] == 5000.0
