@@ -2,7 +2,9 @@
 
 Reads only what the stages write — manifest.json, run/pid + the flock on run/lock, run/heartbeat.json,
 generate/*/stats.json, the log tail — never a process-name grep and never the journal itself, so
-it answers in milliseconds for a 1M-record campaign.
+it answers in milliseconds for a 1M-record campaign. The one network call: while a generate run is
+stalled, every server's /health is asked (2 s timeout, all at once), so the stall names the server
+that does not answer, refuses connections, or answers after all.
 
 Verdicts (exit code): 0 ok (running healthily, finished, or idle); 2 trouble: the manifest says a
 phase is running but no live process holds the lock (dead runner), the heartbeat is stale, or the
@@ -64,8 +66,9 @@ def _fmt_eta(seconds: float | None) -> str:
 
 
 def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat_stale_s: float = 60.0,
-            now: float | None = None) -> StatusReport:
-    """`stall_s` None: the campaign's own monitor.stall_s (the value its runner alerts on)."""
+            now: float | None = None, probe_timeout_s: float = 2.0) -> StatusReport:
+    """`stall_s` None: the campaign's own monitor.stall_s (the value its runner alerts on). A stalled
+    generate run also has each of its servers' /health asked, `probe_timeout_s` each, all at once."""
     camp = Campaign(campaign_dir)
     now = time.time() if now is None else now
     manifest = camp.read_manifest()
@@ -79,6 +82,7 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
     phases = manifest.get("phases", {})
     running_phase = next((p for p, v in phases.items() if v.get("state") == "running"), None)
     problems: list[str] = []
+    probes: dict[str, dict[str, Any]] = {}
 
     # Per dataset: the heartbeat is the freshest; stats.json fills in what the heartbeat lacks.
     datasets: dict[str, Any] = {}
@@ -158,6 +162,10 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
         last = hb.get("last_done_unix") or started
         if in_flight and last and now - last > stall_s:
             problems.append(f"stalled: {in_flight} samples in flight, no completion for {now - last:.0f}s")
+            probes = probe_health(_endpoints(manifest, hb), probe_timeout_s)
+            for ep, pr in probes.items():
+                if pr["state"] != "answers":
+                    problems.append(f"server {ep}: /health {pr['detail']}")
     elif running_phase:
         state = "dead"
         problems.append(
@@ -187,6 +195,7 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
         "engine": hb.get("engine"),
         "datasets": datasets,
         "servers": hb.get("servers") or {},
+        "server_probes": probes,
         "in_flight": in_flight,
         "window": {"seconds": window.get("seconds"), "samples_per_s": sps, "tokens_per_s": tps},
         "lifetime": {
@@ -206,6 +215,56 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
         "log_tail": _tail(camp.log_path),
     }
     return StatusReport(str(camp.root), state, problems, data)
+
+
+def _endpoints(manifest: dict[str, Any], hb: dict[str, Any]) -> list[str]:
+    """The campaign's server endpoints: the config's (openai engine), then any the heartbeat names."""
+    eng = (manifest.get("config") or {}).get("engine") or {}
+    eps = list(eng.get("endpoints") or []) if eng.get("kind", "openai") == "openai" else []
+    return eps + [ep for ep in (hb.get("servers") or {}) if ep not in eps]
+
+
+def probe_health(endpoints: list[str], timeout_s: float = 2.0) -> dict[str, dict[str, Any]]:
+    """GET <root>/health of every endpoint (the URL without /v1), all at once, each bounded by
+    `timeout_s` per socket operation: {endpoint: {"state": answers | no_answer | refused | error,
+    "detail", "status" (HTTP, when it answered), "seconds"}}. Never raises; no proxy is used."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not endpoints:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(endpoints))) as pool:
+        return dict(zip(endpoints, pool.map(lambda ep: _probe_one(ep, timeout_s), endpoints)))
+
+
+def _probe_one(endpoint: str, timeout_s: float) -> dict[str, Any]:
+    import http.client
+    import socket
+    import urllib.error
+    import urllib.request
+
+    url = endpoint.rstrip("/").removesuffix("/v1") + "/health"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"url": url}
+    try:
+        try:
+            with opener.open(url, timeout=timeout_s) as r:
+                status = r.status
+        except urllib.error.HTTPError as e:
+            status = e.code
+        except urllib.error.URLError as e:
+            raise e.reason if isinstance(e.reason, BaseException) else OSError(str(e.reason)) from None
+        out.update(state="answers", status=status, detail=f"answers (HTTP {status} in {time.monotonic() - t0:.2f} s)")
+    except (TimeoutError, socket.timeout):
+        out.update(state="no_answer", detail=f"does not answer within {timeout_s:g} s")
+    except ConnectionRefusedError:
+        out.update(state="refused", detail="connection refused")
+    except http.client.RemoteDisconnected:
+        out.update(state="error", detail="closed the connection without answering")
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        out.update(state="error", detail=f"cannot ask it: {type(e).__name__}: {e}")
+    out["seconds"] = round(time.monotonic() - t0, 3)
+    return out
 
 
 def _gpus() -> dict[str, Any]:
@@ -290,8 +349,13 @@ def render(report: StatusReport):
                         f"{(dev.get('memory_total') or 0) / 2**30:.0f} GiB, util {dev.get('utilization_gpu', '-')}%")
     else:
         foot.append(f"\nGPUs: {g.get('reason', '-')}")
-    for ep, sv in (d.get("servers") or {}).items():
-        foot.append(f"\nserver {ep}: {sv.get('state')}")
+    servers = d.get("servers") or {}
+    probes = d.get("server_probes") or {}
+    for ep in [*servers, *(ep for ep in probes if ep not in servers)]:
+        said = [str(servers[ep].get("state"))] if ep in servers else []
+        if ep in probes:
+            said.append(f"/health {probes[ep]['detail']}")
+        foot.append(f"\nserver {ep}: {'; '.join(said)}")
     parts.append(foot)
     for p in report.problems:
         parts.append(Text(f"PROBLEM: {p}", style="bold red"))
