@@ -191,3 +191,69 @@ def test_prometheus_exporter_on_loopback(tmp_path):
     text = seen[0]
     assert 'specops_samples_total{dataset="ds"} 30' in text
     assert "# TYPE specops_completion_tokens_total counter" in text
+
+
+def test_records_that_raise_and_empty_files_do_not_stop_generate(tmp_path):
+    """`specops generate` over datasets holding records the reader or the checks refuse with an
+    exception of their own, a cut gzip, and empty inputs: every bad record lands in quarantine.jsonl
+    with its exception and line, every dataset after them still runs, and the empty inputs are
+    reported (log, stats.json, the final summary, status) instead of passing in silence."""
+    import gzip
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([
+        json.dumps({"id": "b1", "prompt": "first"}),
+        '{"prompt": "big id", "id": ' + "9" * 5000 + "}",
+        '{"prompt": "deep", "x": ' + "[" * 50_000 + "]" * 50_000 + "}",
+        json.dumps({"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}),
+        json.dumps({"id": "b5", "prompt": "last"}),
+    ]) + "\n")
+    arr = tmp_path / "arr.json"
+    arr.write_text('[{"id": "a1", "prompt": "x"}, {"id": "a2", "prompt": "y", "n": ' + "1" * 5000 + "},"
+                   ' {"id": "a3", "prompt": "z"}]')
+    cut = tmp_path / "cut.jsonl.gz"
+    whole = gzip.compress("".join(json.dumps({"id": f"c{i}", "prompt": f"q {i} " + "w" * 40}) + "\n"
+                                  for i in range(3000)).encode())
+    cut.write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "blank.jsonl").write_text("\n  \n\n")
+    good = tmp_path / "good.jsonl"
+    write_prompts(good, 3, prefix="g")
+    names = ["bad", "arr", "cut", "empty", "blank", "good"]
+    paths = [bad, arr, cut, tmp_path / "empty.jsonl", tmp_path / "blank.jsonl", good]
+    with start_fake_server(tmp_path / "srv", model="fake-model") as srv:
+        toml = tmp_path / "c.toml"
+        toml.write_text(
+            f'[campaign]\nname = "t"\ndir = "{tmp_path / "camp"}"\n[target]\nserved_name = "fake-model"\n'
+            f'[engine]\nkind = "openai"\nendpoints = ["{srv.url}"]\n'
+            f'[generate]\nmax_tokens = 12\ncanary_samples = 2\nexpect_truncation = true\n'
+            + "".join(f'[[datasets]]\nname = "{n}"\npath = "{p}"\n' for n, p in zip(names, paths)))
+        out = subprocess.run([sys.executable, "-m", "specops", "generate", str(toml), "--no-progress"],
+                             capture_output=True, text=True, timeout=300)
+        st = subprocess.run([sys.executable, "-m", "specops", "status", str(tmp_path / "camp")],
+                            capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    gen = tmp_path / "camp" / "generate"
+    done = {n: {r["id"] for r in read_jsonl(gen / n / "records.jsonl")} for n in names}
+    assert done["bad"] == {"bad/b1", "bad/b5"} and done["arr"] == {"arr/a1", "arr/a3"}
+    assert done["good"] == {"good/g0", "good/g1", "good/g2"}
+    assert 0 < len(done["cut"]) < 3000 and done["empty"] == done["blank"] == set()
+    q = {r["where"]: r for r in read_jsonl(gen / "bad" / "quarantine.jsonl")}
+    assert sorted(q) == ["line 2", "line 3", "line 4"]
+    assert q["line 2"]["reason"].startswith("ValueError: Exceeds the limit (4300 digits)")
+    assert q["line 3"]["reason"].startswith("RecursionError: maximum recursion depth exceeded")
+    assert q["line 4"]["reason"].startswith("UnicodeEncodeError:") and q["line 4"]["dataset"] == "bad"
+    assert [r["where"] for r in read_jsonl(gen / "arr" / "quarantine.jsonl")] == ["record 2"]
+    (tail,) = read_jsonl(gen / "cut" / "quarantine.jsonl")
+    assert tail["reason"].startswith("EOFError") and str(cut) in tail["reason"]
+    for n in names:
+        stats = json.loads((gen / n / "stats.json").read_text())
+        assert stats["empty_input"] is (n in ("empty", "blank")), n
+    for n in ("empty", "blank"):
+        assert f"dataset {n!r}: " in out.stderr and "holds no records" in out.stderr
+        assert f"{n}: the input holds no records" in out.stdout  # the final summary
+        assert f"{n}: the input holds no records" in st.stdout  # status
+    assert "bad: the input holds no records" not in out.stdout + st.stdout

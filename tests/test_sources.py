@@ -668,3 +668,88 @@ def test_max_line_bytes_must_be_positive(tmp_path: Path, monkeypatch: pytest.Mon
     p = write_lines(tmp_path / "a.jsonl", [msgs_rec("a")])
     with pytest.raises(InputError, match="SPECOPS_MAX_LINE_BYTES"):
         run(ds(p))
+
+
+# ---------------------------------------------------------------------------- records that raise
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def test_records_that_raise_while_read_or_checked_are_quarantined(tmp_path: Path) -> None:
+    """Valid-looking records the decoder or the checks refuse with an exception of their own (not a
+    JSON syntax error): each costs its line, with the exception's type and message as the reason."""
+    lines: list[Any] = [
+        msgs_rec("good 1", id="g1"),                                                           # 1
+        '{"prompt": "big id", "id": ' + "9" * 5000 + "}",                                      # 2 ValueError
+        '{"prompt": "deep", "x": ' + nested(100_000) + "}",                                    # 3 RecursionError
+        json.dumps({"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}),      # 4 surrogate, hashed
+        json.dumps({"conversations": [{"from": "human", "value": "hi"}], "system": "\ud800"}),  # 5 system
+        json.dumps({"id": "s6", "messages": [{"role": "user", "content": "hi", "name": "\udc80"}]}),  # 6 not hashed
+        json.dumps({"id": "d7", "prompt": "hi", "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": json.loads("[" * 300 + "]" * 300)}}}]}),
+        msgs_rec("good 2", id="g2"),                                                           # 8
+    ]
+    p = write_lines(tmp_path / "raise.jsonl", lines)
+    src = open_source(ds(p))
+    assert src.count() == 8
+    s, q = split(list(src))
+    assert [x.id for x in s] == ["t/g1", "t/g2"]
+    reasons = {x.where: x.reason for x in q}
+    assert set(reasons) == {f"line {i}" for i in range(2, 8)}, reasons
+    assert reasons["line 2"].startswith("ValueError: Exceeds the limit (4300 digits)")
+    assert reasons["line 3"].startswith("RecursionError: maximum recursion depth exceeded")
+    assert reasons["line 4"].startswith("UnicodeEncodeError: 'utf-8' codec can't encode character '\\ud800'")
+    assert reasons["line 5"].startswith("UnicodeEncodeError")
+    # with an id of their own no hash is computed; the request encoder refuses them the same way
+    assert "surrogates not allowed" in reasons["line 6"] and "not valid JSON for a request" in reasons["line 6"]
+    assert "Recursion limit reached" in reasons["line 7"]
+    assert q[0].excerpt.startswith('{"prompt": "big id"')
+
+
+def test_json_array_records_that_raise_are_skipped_not_the_rest(tmp_path: Path) -> None:
+    p = tmp_path / "raise.json"
+    p.write_text('[{"prompt": "a"},\n {"prompt": "b", "n": ' + "1" * 5000 + '},\n'
+                 ' {"prompt": "c", "x": ' + nested(50_000) + ', "s": "]}\\"[{"},\n {"prompt": "d"}, '
+                 + "7" * 4400 + ', {"prompt": "e"}]')
+    src = open_source(ds(p))
+    assert src.count() == 6
+    s, q = split(list(src))
+    assert [x.messages[0]["content"] for x in s] == ["a", "d", "e"]
+    assert [(x.where, x.reason.split(":")[0]) for x in q] == [
+        ("record 2", "ValueError"), ("record 3", "RecursionError"), ("record 5", "ValueError")]
+
+
+def test_bfcl_schema_too_deep_for_a_request_is_quarantined(tmp_path: Path) -> None:
+    fn = {"name": "f", "description": "d", "parameters": {"type": "dict", "properties": {}}}
+    deep = '{"type": "string"}'
+    for _ in range(300):  # decodes and converts, but no request encoder takes 300 levels
+        deep = '{"type": "array", "items": ' + deep + "}"
+    bad = json.dumps({"id": "b", "question": [[user("deep")]], "function": [{**fn, "parameters": "DEEP"}]})
+    good = {"id": "g", "question": [[user("fine")]], "function": [fn]}
+    p = tmp_path / "BFCL_v3_simple_python.json"
+    p.write_text(bad.replace('"DEEP"', '{"type": "dict", "properties": {"k": ' + deep + "}}") + "\n"
+                 + json.dumps(good) + "\n")
+    s, q = run(ds(p, name="bfcl", source="bfcl"))
+    assert [x.id for x in s] == ["bfcl/g"]
+    assert q[0].where == "BFCL_v3_simple_python.json line 1" and "Recursion limit reached" in q[0].reason
+
+
+@pytest.mark.parametrize("name", ["cut.jsonl.gz", "cut.json.gz"])
+def test_gzip_cut_midway_keeps_the_records_before_the_cut(tmp_path: Path, name: str) -> None:
+    recs = [msgs_rec(f"r{i} " + "x" * 40, id=f"r{i}") for i in range(4000)]
+    if name.endswith(".jsonl.gz"):
+        raw = "".join(json.dumps(r) + "\n" for r in recs).encode()
+    else:
+        raw = json.dumps(recs).encode()
+    whole = gzip.compress(raw)
+    p = tmp_path / name
+    p.write_bytes(whole[: len(whole) // 2])
+    src = open_source(ds(p))
+    n = src.count()
+    s, q = split(list(src))
+    assert 0 < len(s) < 4000 and [x.id for x in s] == [f"t/r{i}" for i in range(len(s))]
+    assert len(q) == 1 and n >= len(s) + 1
+    assert q[0].reason.startswith("EOFError: Compressed file ended") and "the rest of" in q[0].reason
+    assert q[0].where.startswith("after ")

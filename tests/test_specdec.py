@@ -446,6 +446,26 @@ baseline_tokens_per_s = 1.0
     return cfg, Campaign.create_or_open(cfg)
 
 
+def test_run_eval_all_prompts_in_training_says_so(tmp_path):
+    """An eval prompt file whose every prompt is also a training prompt (another file, reworded
+    whitespace): the phase stops before any model loads and says why nothing is left."""
+    from specops.errors import InputError
+    from specops.evaluate.specdec import run_eval
+
+    questions = ["What is 2 + 2?", "Name a prime.", "Spell cat."]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"id": f"t{i}", "prompt": q}) + "\n" for i, q in enumerate(questions)))
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"prompt": f"  {q}\n"}) + "\n" for q in questions))
+    cfg, camp = write_campaign(tmp_path, "smollm2", f'[[datasets]]\nname = "tr"\npath = "{train}"',
+                               [f"file:{held}"], limit=10)
+    with pytest.raises(InputError) as e:
+        run_eval(cfg, camp, drafter_dir=tmp_path / "no-drafter")
+    msg = str(e.value)
+    assert "eval dataset 'held'" in msg and "all 3 prompts were left out because they are training prompts" in msg, msg
+    assert "'tr'" in msg and "quarantined" not in msg
+
+
 def test_run_eval_mtbench_both_turns_files_and_phase(tmp_path, chat_target):
     from specops.drafter.export import export_vllm
     from specops.evaluate.report import write_report

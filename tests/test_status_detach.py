@@ -170,3 +170,124 @@ def test_server_outage_waits_behind_the_gate_and_status_shows_it(tmp_path):
         srv.stop()
     ids = [json.loads(x)["id"] for x in (camp / "generate" / "ds" / "records.jsonl").read_text().splitlines()]
     assert len(ids) == len(set(ids)) == 80
+
+
+def test_status_during_train_shows_each_figure_under_its_phase(tmp_path):
+    """generate is done (with retried errors), train is running: generate's error rate, rate and
+    per-dataset counts sit under the generate heading, train's step, rate and ETA under train."""
+    from rich.console import Console
+
+    from specops.campaign import Campaign, RunLock, now_iso
+    from specops.status import collect, render
+
+    script = [{"match": "^ds/q[0-4]$", "times": 1, "fault": "status", "status": 500, "message": "busy"}]
+    with start_fake_server(tmp_path / "srv", script=script, model="fake-model") as srv:
+        cfg = write_config(tmp_path, srv.url, 20, 4)
+        out = specops("generate", str(cfg), "--no-progress")
+        assert out.returncode == 0, out.stderr
+    camp = Campaign(tmp_path / "camp")
+    stats = json.loads((camp.dataset_dir("ds") / "stats.json").read_text())
+    assert stats["done"] == 20 and stats["errors"] == {"http_500": 5}
+    # train running in this process: the lock and a heartbeat as the trainer writes it
+    camp.set_phase("train", "running", pid=os.getpid())
+    now = time.time()
+    camp.heartbeat_path.write_text(json.dumps({
+        "pid": os.getpid(), "phase": "train", "state": "running", "ts": now, "iso": now_iso(), "started": now - 20,
+        "step": 40, "total_steps": 100, "window": {"tokens_per_s": 5000.0, "steps_per_s": 2.0}, "eta_s": 30.0,
+        "last_val": {"step": 30, "tau": 2.5, "tau_head": 2.75, "head_tokens": 256}}))
+    lock = RunLock(camp, "train").acquire()
+    try:
+        rep = collect(camp.root)
+    finally:
+        lock.release()
+    assert rep.state == "running" and rep.problems == [], rep.problems
+    con = Console(width=200, record=True)
+    con.print(render(rep))
+    lines = con.export_text().splitlines()
+    gen = next(i for i, x in enumerate(lines) if x.startswith("generate:"))
+    table = next(i for i, x in enumerate(lines) if "dataset" in x and "done" in x)
+    row = next(i for i, x in enumerate(lines) if "│ ds " in x)
+    tr = next(i for i, x in enumerate(lines) if x.startswith("train:"))
+    assert gen < table < row < tr, lines
+    assert lines[gen].startswith("generate: done") and "error rate 20.0%" in lines[gen], lines[gen]
+    assert "tok/s" not in lines[gen]  # train's rate is not generate's
+    assert lines[tr] == "train: step 40/100 (40%), 5,000 tok/s, ETA 0m30s", lines[tr]
+    assert lines[tr + 1].startswith("  val at step 30: simulated tau 2.500")
+    assert sum("error rate" in x for x in lines) == 1
+    js = rep.to_json()
+    assert "error_rate" not in js and js["generate"]["error_rate"] == 0.2
+    assert js["generate"]["state"] == "done" and js["generate"]["datasets"]["ds"]["done"] == 20
+    assert js["generate"]["window"] is None  # the heartbeat is train's
+    assert js["train"]["step"] == 40 and js["train"]["tokens_per_s"] == 5000.0
+
+
+def test_stalled_status_probes_each_server_and_names_the_silent_one(tmp_path):
+    """A generate run stalls: status asks every endpoint's /health (2 s each, all at once) and says
+    which answers, which accepts and never replies, and which refuses the connection."""
+    import socket
+    import threading
+
+    from rich.console import Console
+
+    from specops.campaign import Campaign, RunLock, now_iso
+    from specops.config import load_config
+    from specops.serverproc import free_port
+    from specops.status import collect, render
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    held: list[socket.socket] = []
+
+    def accept_and_say_nothing() -> None:
+        while True:
+            try:
+                conn, _ = silent.accept()
+            except OSError:
+                return
+            held.append(conn)  # read nothing, answer nothing, keep it open
+
+    threading.Thread(target=accept_and_say_nothing, daemon=True).start()
+    hang_url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+    refused_url = f"http://127.0.0.1:{free_port()}/v1"
+    try:
+        with start_fake_server(tmp_path / "srv", model="fake-model") as srv:
+            toml = write_config(tmp_path, srv.url, 10, 3)
+            toml.write_text(toml.read_text().replace(f'endpoints = ["{srv.url}"]',
+                                                     f'endpoints = ["{srv.url}", "{hang_url}", "{refused_url}"]'))
+            camp = Campaign.create_or_open(load_config(toml))
+            camp.set_phase("generate", "running", pid=os.getpid())
+            now = time.time()
+            camp.heartbeat_path.write_text(json.dumps({
+                "pid": os.getpid(), "phase": "generate", "state": "running", "engine": "openai", "ts": now,
+                "iso": now_iso(), "started": now - 120, "in_flight": 3, "last_done_unix": now - 90,
+                "window": {"seconds": 60.0, "samples_per_s": 0.0, "tokens_per_s": 0.0},
+                "datasets": {"ds": {"total": 10, "done": 4, "failed": 0, "quarantined": 0, "in_flight": 3,
+                                    "completion_tokens": 32, "finished": False, "empty_input": False}},
+                "servers": {}, "stop_reason": None}))
+            lock = RunLock(camp, "generate").acquire()
+            try:
+                t0 = time.monotonic()
+                rep = collect(camp.root, stall_s=30)
+                took = time.monotonic() - t0
+            finally:
+                lock.release()
+    finally:
+        silent.close()
+        for c in held:
+            c.close()
+    assert 2.0 <= took < 4.0, took  # the silent server costs its 2 s once, not once per server
+    probes = rep.data["server_probes"]
+    assert probes[srv.url]["state"] == "answers" and probes[srv.url]["status"] == 200
+    assert probes[hang_url]["state"] == "no_answer" and probes[hang_url]["detail"] == "does not answer within 2 s"
+    assert probes[refused_url]["state"] == "refused" and probes[refused_url]["detail"] == "connection refused"
+    assert any(p.startswith("stalled: 3 samples in flight") for p in rep.problems), rep.problems
+    assert f"server {hang_url}: /health does not answer within 2 s" in " ".join(rep.problems)
+    assert f"server {refused_url}: /health connection refused" in " ".join(rep.problems)
+    assert srv.url not in " ".join(rep.problems)
+    con = Console(width=200, record=True)
+    con.print(render(rep))
+    text = con.export_text()
+    assert f"server {srv.url}: /health answers (HTTP 200" in text
+    assert f"server {hang_url}: /health does not answer within 2 s" in text
+    assert f"server {refused_url}: /health connection refused" in text

@@ -23,4 +23,8 @@ def print_generate_summary(summary) -> None:
             "-" if rate is None else f"{rate:.0%}",
         )
     con.print(t)
+    for name, d in summary.datasets.items():
+        if d.get("empty_input"):
+            con.print(f"warning: {name}: the input holds no records (empty or blank lines only)",
+                      style="yellow", soft_wrap=True)
     con.print(f"campaign directory: {summary.campaign}  ({summary.elapsed_s:.1f} s)")

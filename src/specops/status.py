@@ -2,12 +2,19 @@
 
 Reads only what the stages write — manifest.json, run/pid + the flock on run/lock, run/heartbeat.json,
 generate/*/stats.json, the log tail — never a process-name grep and never the journal itself, so
-it answers in milliseconds for a 1M-record campaign.
+it answers in milliseconds for a 1M-record campaign. The one network call: while a generate run is
+stalled, every server's /health is asked (2 s timeout, all at once), so the stall names the server
+that does not answer, refuses connections, or answers after all.
 
 Verdicts (exit code): 0 ok (running healthily, finished, or idle); 2 trouble: the manifest says a
 phase is running but no live process holds the lock (dead runner), the heartbeat is stale, or the
 run is stalled (samples in flight, no completion for `stall_s`; with server metrics, generation
 tokens flat while requests run).
+
+Layout: each phase's figures sit under it. `generate` holds generate's state, per-dataset counts,
+in-flight requests, error rate, and its rate, remaining and ETA while the heartbeat is generate's
+(None once another phase writes it); `extract` and `train` hold theirs. The top-level `window`,
+`remaining` and `eta_s` are the running phase's, and `datasets` / `in_flight` repeat generate's.
 """
 
 from __future__ import annotations
@@ -59,8 +66,9 @@ def _fmt_eta(seconds: float | None) -> str:
 
 
 def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat_stale_s: float = 60.0,
-            now: float | None = None) -> StatusReport:
-    """`stall_s` None: the campaign's own monitor.stall_s (the value its runner alerts on)."""
+            now: float | None = None, probe_timeout_s: float = 2.0) -> StatusReport:
+    """`stall_s` None: the campaign's own monitor.stall_s (the value its runner alerts on). A stalled
+    generate run also has each of its servers' /health asked, `probe_timeout_s` each, all at once."""
     camp = Campaign(campaign_dir)
     now = time.time() if now is None else now
     manifest = camp.read_manifest()
@@ -74,6 +82,7 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
     phases = manifest.get("phases", {})
     running_phase = next((p for p, v in phases.items() if v.get("state") == "running"), None)
     problems: list[str] = []
+    probes: dict[str, dict[str, Any]] = {}
 
     # Per dataset: the heartbeat is the freshest; stats.json fills in what the heartbeat lacks.
     datasets: dict[str, Any] = {}
@@ -94,6 +103,7 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
             "latency_p50_s": (st.get("latency_s") or {}).get("p50"),
             "reasoning_capture_rate": st.get("reasoning_capture_rate"),
             "errors": st.get("errors") or {},
+            "empty_input": bool(pick("empty_input")),
         }
         settled = d["done"] + d["failed"] + d["quarantined"]
         d["remaining"] = max(0, (d["total"] or 0) - settled) if d["total"] is not None else None
@@ -105,6 +115,16 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
     tps = window.get("tokens_per_s")
     remaining = sum(d["remaining"] or 0 for d in datasets.values())
     eta = remaining / sps if sps and remaining else (0.0 if remaining == 0 else None)
+    gen_hb = hb.get("phase") == "generate"  # the rates in the heartbeat are generate's
+    generate = {
+        "state": (phases.get("generate") or {}).get("state"),
+        "datasets": datasets,
+        "in_flight": sum(d["in_flight"] for d in datasets.values()),
+        "window": {"seconds": window.get("seconds"), "samples_per_s": sps, "tokens_per_s": tps} if gen_hb else None,
+        "remaining": remaining,
+        "eta_s": None if eta is None or not gen_hb else round(eta, 1),
+        "error_rate": _error_rate(datasets),
+    }
     # Training writes its own heartbeat (drafter/train.py): steps, not samples, are what is left.
     train = None
     if hb.get("phase") == "train" and hb.get("total_steps"):
@@ -142,6 +162,10 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
         last = hb.get("last_done_unix") or started
         if in_flight and last and now - last > stall_s:
             problems.append(f"stalled: {in_flight} samples in flight, no completion for {now - last:.0f}s")
+            probes = probe_health(_endpoints(manifest, hb), probe_timeout_s)
+            for ep, pr in probes.items():
+                if pr["state"] != "answers":
+                    problems.append(f"server {ep}: /health {pr['detail']}")
     elif running_phase:
         state = "dead"
         problems.append(
@@ -171,6 +195,7 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
         "engine": hb.get("engine"),
         "datasets": datasets,
         "servers": hb.get("servers") or {},
+        "server_probes": probes,
         "in_flight": in_flight,
         "window": {"seconds": window.get("seconds"), "samples_per_s": sps, "tokens_per_s": tps},
         "lifetime": {
@@ -180,9 +205,9 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
         },
         "remaining": remaining,
         "eta_s": None if eta is None else round(eta, 1),
+        "generate": generate,
         "train": train,
         "extract": extract,
-        "error_rate": _error_rate(datasets),
         "disk": {"path": str(camp.root), "free_bytes": du.free, "total_bytes": du.total,
                  "forecast_pending_bytes": forecast},
         "gpus": _gpus(),
@@ -190,6 +215,56 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
         "log_tail": _tail(camp.log_path),
     }
     return StatusReport(str(camp.root), state, problems, data)
+
+
+def _endpoints(manifest: dict[str, Any], hb: dict[str, Any]) -> list[str]:
+    """The campaign's server endpoints: the config's (openai engine), then any the heartbeat names."""
+    eng = (manifest.get("config") or {}).get("engine") or {}
+    eps = list(eng.get("endpoints") or []) if eng.get("kind", "openai") == "openai" else []
+    return eps + [ep for ep in (hb.get("servers") or {}) if ep not in eps]
+
+
+def probe_health(endpoints: list[str], timeout_s: float = 2.0) -> dict[str, dict[str, Any]]:
+    """GET <root>/health of every endpoint (the URL without /v1), all at once, each bounded by
+    `timeout_s` per socket operation: {endpoint: {"state": answers | no_answer | refused | error,
+    "detail", "status" (HTTP, when it answered), "seconds"}}. Never raises; no proxy is used."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not endpoints:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(endpoints))) as pool:
+        return dict(zip(endpoints, pool.map(lambda ep: _probe_one(ep, timeout_s), endpoints)))
+
+
+def _probe_one(endpoint: str, timeout_s: float) -> dict[str, Any]:
+    import http.client
+    import socket
+    import urllib.error
+    import urllib.request
+
+    url = endpoint.rstrip("/").removesuffix("/v1") + "/health"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"url": url}
+    try:
+        try:
+            with opener.open(url, timeout=timeout_s) as r:
+                status = r.status
+        except urllib.error.HTTPError as e:
+            status = e.code
+        except urllib.error.URLError as e:
+            raise e.reason if isinstance(e.reason, BaseException) else OSError(str(e.reason)) from None
+        out.update(state="answers", status=status, detail=f"answers (HTTP {status} in {time.monotonic() - t0:.2f} s)")
+    except (TimeoutError, socket.timeout):
+        out.update(state="no_answer", detail=f"does not answer within {timeout_s:g} s")
+    except ConnectionRefusedError:
+        out.update(state="refused", detail="connection refused")
+    except http.client.RemoteDisconnected:
+        out.update(state="error", detail="closed the connection without answering")
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        out.update(state="error", detail=f"cannot ask it: {type(e).__name__}: {e}")
+    out["seconds"] = round(time.monotonic() - t0, 3)
+    return out
 
 
 def _gpus() -> dict[str, Any]:
@@ -226,7 +301,6 @@ def _error_rate(datasets: dict[str, Any]) -> float | None:
 
 def render(report: StatusReport):
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     d = report.data
@@ -238,57 +312,83 @@ def render(report: StatusReport):
         head.append(f"  pid {d['pid']}")
     if d.get("heartbeat_age_s") is not None:
         head.append(f"  heartbeat {d['heartbeat_age_s']:.0f}s ago")
-    w = d.get("window", {})
+    parts: list[Any] = [head]
+    parts.extend(_render_generate(d))
+    phase = Text()
     tr = d.get("train")
     ex = d.get("extract")
     if ex and d.get("alive"):
         pct = f" ({ex['tokens_done'] / ex['tokens']:.0%} of tokens)" if ex.get("tokens") else ""
         rate = f", {ex['tokens_per_s']:,.0f} tok/s" if ex.get("tokens_per_s") is not None else ""
-        head.append(f"\nextract: {ex['shards_done']}/{ex['shards']} shards{pct}{rate}, ETA {_fmt_eta(ex.get('eta_s'))}")
+        phase.append(f"extract: {ex['shards_done']}/{ex['shards']} shards{pct}{rate}, ETA {_fmt_eta(ex.get('eta_s'))}")
         for name, v in ex["splits"].items():
-            head.append(f"\n  {name}: {v['shards_done']}/{v['shards']} shards, "
-                        f"{v['tokens_done']:,}/{v['tokens']:,} tokens")
+            phase.append(f"\n  {name}: {v['shards_done']}/{v['shards']} shards, "
+                         f"{v['tokens_done']:,}/{v['tokens']:,} tokens")
     elif tr and d.get("alive"):
         pct = f" ({tr['step'] / tr['total_steps']:.0%})" if tr.get("step") is not None else ""
         rate = f", {tr['tokens_per_s']:,.0f} tok/s" if tr.get("tokens_per_s") is not None else ""
-        head.append(f"\ntrain: step {tr.get('step', '-')}/{tr['total_steps']}{pct}{rate}, "
-                    f"ETA {_fmt_eta(tr.get('eta_s'))}")
+        phase.append(f"train: step {tr.get('step', '-')}/{tr['total_steps']}{pct}{rate}, "
+                     f"ETA {_fmt_eta(tr.get('eta_s'))}")
         lv = tr.get("last_val") or {}
         if lv.get("tau") is not None:
-            head.append(f"\n  val at step {lv.get('step')}: simulated tau {lv['tau']:.3f}")
+            phase.append(f"\n  val at step {lv.get('step')}: simulated tau {lv['tau']:.3f}")
             if lv.get("tau_head") is not None:
-                head.append(f", over each turn's first {lv.get('head_tokens')} tokens {lv['tau_head']:.3f}")
-    else:
-        if w.get("samples_per_s") is not None:
-            head.append(f"\nrate: {w['samples_per_s']:.2f} samples/s, {w['tokens_per_s']:.0f} tok/s "
-                        f"(last {w['seconds']:.0f}s)")
-        head.append(f"  remaining {d.get('remaining', '-')}, ETA {_fmt_eta(d.get('eta_s'))}")
-    if d.get("error_rate") is not None:
-        head.append(f"  error rate {d['error_rate']:.1%}")
+                phase.append(f", over each turn's first {lv.get('head_tokens')} tokens {lv['tau_head']:.3f}")
+    if phase:
+        parts.append(phase)
+    foot = Text()
     free = d["disk"]["free_bytes"] / 1e9
-    head.append(f"\ndisk free: {free:,.1f} GB at {d['disk']['path']}")
+    foot.append(f"disk free: {free:,.1f} GB at {d['disk']['path']}")
     fc = d["disk"].get("forecast_pending_bytes")
     if fc is not None:
-        head.append(f" (phases still to run may write {fc / 1e9:,.1f} GB)")
+        foot.append(f" (phases still to run may write {fc / 1e9:,.1f} GB)")
     g = d.get("gpus") or {}
     if g.get("available"):
         for dev in g["devices"]:
-            head.append(f"\nGPU {dev.get('index')}: {(dev.get('memory_used') or 0) / 2**30:.1f}/"
+            foot.append(f"\nGPU {dev.get('index')}: {(dev.get('memory_used') or 0) / 2**30:.1f}/"
                         f"{(dev.get('memory_total') or 0) / 2**30:.0f} GiB, util {dev.get('utilization_gpu', '-')}%")
     else:
-        head.append(f"\nGPUs: {g.get('reason', '-')}")
-    for ep, sv in (d.get("servers") or {}).items():
-        head.append(f"\nserver {ep}: {sv.get('state')}")
-    t = Table()
-    for col in ("dataset", "done", "total", "failed", "quarantined", "in flight", "out tokens", "p50 s"):
-        t.add_column(col, justify="left" if col == "dataset" else "right")
-    for name, x in d.get("datasets", {}).items():
-        t.add_row(name, f"{x['done']:,}", "-" if x["total"] is None else f"{x['total']:,}", str(x["failed"]),
-                  str(x["quarantined"]), str(x["in_flight"]), f"{x['completion_tokens']:,}",
-                  "-" if x["latency_p50_s"] is None else f"{x['latency_p50_s']:.2f}")
-    parts: list[Any] = [head, t]
+        foot.append(f"\nGPUs: {g.get('reason', '-')}")
+    servers = d.get("servers") or {}
+    probes = d.get("server_probes") or {}
+    for ep in [*servers, *(ep for ep in probes if ep not in servers)]:
+        said = [str(servers[ep].get("state"))] if ep in servers else []
+        if ep in probes:
+            said.append(f"/health {probes[ep]['detail']}")
+        foot.append(f"\nserver {ep}: {'; '.join(said)}")
+    parts.append(foot)
     for p in report.problems:
         parts.append(Text(f"PROBLEM: {p}", style="bold red"))
     if d.get("log_tail"):
         parts.append(Text("log:\n" + "\n".join("  " + x for x in d["log_tail"]), style="dim"))
     return Group(*parts)
+
+
+def _render_generate(d: dict[str, Any]) -> list[Any]:
+    """The generate heading (its state, rate, what is left, error rate) and its per-dataset table."""
+    from rich.table import Table
+    from rich.text import Text
+
+    gen = d.get("generate") or {}
+    line = Text(f"generate: {gen.get('state') or '-'}")
+    w = gen.get("window") or {}
+    if w.get("samples_per_s") is not None:
+        line.append(f", {w['samples_per_s']:.2f} samples/s, {w['tokens_per_s'] or 0:.0f} tok/s "
+                    f"(last {w['seconds'] or 0:.0f}s)")
+    if gen.get("window") is not None or gen.get("state") != "done":
+        line.append(f", remaining {gen.get('remaining', '-')}, ETA {_fmt_eta(gen.get('eta_s'))}")
+    if gen.get("error_rate") is not None:
+        line.append(f", error rate {gen['error_rate']:.1%}")
+    t = Table()
+    for col in ("dataset", "done", "total", "failed", "quarantined", "in flight", "out tokens", "p50 s"):
+        t.add_column(col, justify="left" if col == "dataset" else "right")
+    datasets = gen.get("datasets") or {}
+    for name, x in datasets.items():
+        t.add_row(name, f"{x['done']:,}", "-" if x["total"] is None else f"{x['total']:,}", str(x["failed"]),
+                  str(x["quarantined"]), str(x["in_flight"]), f"{x['completion_tokens']:,}",
+                  "-" if x["latency_p50_s"] is None else f"{x['latency_p50_s']:.2f}")
+    out: list[Any] = [line, t]
+    for name, x in datasets.items():
+        if x.get("empty_input"):
+            out.append(Text(f"{name}: the input holds no records (empty or blank lines only)", style="yellow"))
+    return out

@@ -396,8 +396,22 @@ def _work_items(evals: list[DatasetSection], sources: dict[str, Any], seen: dict
             elif item.id not in seen.get(ds.name, {}):
                 items.append({"index": len(items), "dataset": ds.name, "id": item.id, "messages": item.messages})
         if len(items) == first:
-            raise InputError(f"eval dataset {ds.name!r}: no usable prompt ({len(q)} quarantined)")
+            raise InputError(_no_usable_prompt(ds.name, len(q), seen.get(ds.name, {})))
     return items, quarantined
+
+
+def _no_usable_prompt(name: str, quarantined: int, in_training: dict[str, str]) -> str:
+    """Why an eval dataset has nothing left: its prompts are training prompts, quarantined, or both."""
+    n = len(in_training)
+    if not n:
+        return f"eval dataset {name!r}: no usable prompt ({quarantined} quarantined)"
+    where = ", ".join(repr(t) for t in sorted(set(in_training.values())))
+    if n == 1:
+        why = f"1 prompt was left out because it is a training prompt (training dataset {where})"
+    else:
+        why = f"{n} prompts were left out because they are training prompts (training dataset {where})"
+    why = f"no usable prompt: {quarantined} quarantined, {why}" if quarantined else ("all " if n > 1 else "its ") + why
+    return f"eval dataset {name!r}: {why}; evaluate on prompts the drafter was not trained on"
 
 
 class _Evaluator:

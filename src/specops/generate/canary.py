@@ -122,10 +122,14 @@ async def run_canary(cfg: Config, campaign: Campaign, engine: Engine) -> CanaryR
     camp = Campaign(root)
     camp.run_dir.mkdir(parents=True, exist_ok=True)
     runner = Runner(ccfg, camp, engine, progress=False, manage_engine=False)
-    await runner.run()
+    summary = await runner.run()
     expected = served_name(cfg.target.model, cfg.target.served_name) if cfg.engine.kind == "openai" else None
     report = CanaryReport()
     for ds in ccfg.datasets:
+        if summary.datasets[ds.name].get("empty_input"):
+            # nothing to send: the runner warned about it, and the full run reports it again
+            report.datasets[ds.name] = {"records": 0, "failed": 0, "problems": [], "empty_input": True}
+            continue
         d = camp.dataset_dir(ds.name)
         recs, failed = _read(d / "records.jsonl"), _read(d / "failed.jsonl")
         probs = check_records(ds.name, recs, failed, reasoning_mode=cfg.generate.reasoning,

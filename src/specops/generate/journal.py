@@ -131,6 +131,7 @@ class DatasetStats:
     journal_offset: int = 0
     first_done_unix: float | None = None
     last_done_unix: float | None = None
+    empty_input: bool = False  # the source yielded nothing at all (set by the run that read it)
 
     def add_record(self, rec: dict[str, Any]) -> None:
         self.done += 1
@@ -187,6 +188,7 @@ class DatasetStats:
             "journal_offset": self.journal_offset,
             "first_done_unix": self.first_done_unix,
             "last_done_unix": self.last_done_unix,
+            "empty_input": self.empty_input,
             "written_unix": time.time(),
         }
 

@@ -406,12 +406,16 @@ class Runner:
         j = run.journal
         source = self._sources[run.ds.name]
         it = iter(source)
+        items = 0
+        exhausted = False
         while not self.stop.is_set():
             # Reading the source is synchronous; yield to the loop every item so responses flow.
             try:
                 item = next(it)
             except StopIteration:
+                exhausted = True
                 break
+            items += 1
             if isinstance(item, Quarantined):
                 if item.where not in j.quarantine_keys:
                     try:
@@ -434,6 +438,10 @@ class Runner:
             t = asyncio.create_task(self._handle(run, item, sem))
             run.tasks.add(t)
             t.add_done_callback(run.tasks.discard)
+        if exhausted and items == 0:
+            j.stats.empty_input = True
+            log.warning("dataset %r: %s holds no records (an empty file or only blank lines): nothing to generate",
+                        run.ds.name, ", ".join(source.paths) or f"source {run.ds.source!r}")
         if run.tasks and not self.stop.is_set():
             await asyncio.wait(set(run.tasks))
         run.finished = not self.stop.is_set()
@@ -468,6 +476,7 @@ class Runner:
                 "in_flight": r.in_flight,
                 "completion_tokens": s.completion_tokens,
                 "finished": r.finished,
+                "empty_input": s.empty_input,
             }
         hb = {
             "pid": os.getpid(),

@@ -19,6 +19,13 @@ Record shapes (`ds.format`, "auto" detects per record):
 Positions (`Quarantined.where`) are 1-based and stable: "line N" (JSONL), "record N" (JSON),
 "row N" (Parquet), prefixed by the file name when a source reads several files (BFCL).
 
+Whatever one record raises while it is decoded, converted or checked (a JSON syntax error, nesting
+past the recursion limit, an integer past the digit limit, a lone surrogate, a converter's
+ValueError) quarantines that record, with the exception's type and message as the reason, and the
+stream goes on. A stream that breaks part-way (a cut gzip) keeps the records before the break and
+quarantines the rest as one entry ("after line N"). Only a file that cannot be read at all raises
+(InputError).
+
 Ids are `<dataset>/<source id>`: the record's own id field when present, else the first 16 hex
 digits of sha256 over the canonical JSON of the normalised messages (plus the record's own tools).
 The configured system prompt is prepended after hashing, so it does not change ids.
@@ -34,11 +41,14 @@ import importlib.util
 import json
 import os
 import re
+import zlib
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+import orjson
 
 from ..config import DatasetSection
 from ..errors import InputError
@@ -89,6 +99,15 @@ class _Bad(Exception):
     """One record cannot become a Sample; the message is the quarantine reason."""
 
 
+# What reading a compressed or damaged input can raise part-way: the records before it stand.
+_STREAM_ERRORS = (OSError, EOFError, zlib.error)
+
+
+def _reason(e: BaseException) -> str:
+    """The quarantine reason for an exception a record raised: its type and message."""
+    return str(e) if isinstance(e, _Bad) else f"{type(e).__name__}: {e}"
+
+
 # ============================================================================ raw records
 
 
@@ -106,7 +125,7 @@ class _Raw:
             return self.text[:_EXCERPT]
         try:
             return json.dumps(self.record, ensure_ascii=False, default=str)[:_EXCERPT]
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):
             return repr(self.record)[:_EXCERPT]
 
 
@@ -122,9 +141,47 @@ class _Reader(abc.ABC):
     def count(self) -> int: ...
 
 
+class _Salvaging:
+    """A gzip stream whose read(n) first returns what decompressed before a stream error (a cut or
+    damaged file) and raises that error on the next call, so no record before the damage is lost.
+    (GzipFile.read(n) drops the bytes it had gathered for `n` when the error hits.)"""
+
+    def __init__(self, fh: IO[bytes]):
+        self._fh = fh
+        self._error: BaseException | None = None
+
+    def read(self, n: int = -1) -> bytes:
+        if self._error is not None:
+            raise self._error
+        parts: list[bytes] = []
+        got = 0
+        while n < 0 or got < n:
+            try:
+                b = self._fh.read1(n - got if n >= 0 else _CHUNK)  # type: ignore[attr-defined]
+            except _STREAM_ERRORS as e:
+                self._error = e
+                if not parts:
+                    raise
+                break
+            if not b:
+                break
+            parts.append(b)
+            got += len(b)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> "_Salvaging":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _open_bytes(path: Path) -> IO[bytes]:
     if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rb")  # type: ignore[return-value]
+        return _Salvaging(gzip.open(path, "rb"))  # type: ignore[return-value]
     return open(path, "rb")
 
 
@@ -141,9 +198,12 @@ class _JsonlReader(_Reader):
         n = 0
         last = b"\n"
         with _open_bytes(self.path) as fh:
-            while chunk := fh.read(_CHUNK):
-                n += chunk.count(b"\n")
-                last = chunk[-1:]
+            try:
+                while chunk := fh.read(_CHUNK):
+                    n += chunk.count(b"\n")
+                    last = chunk[-1:]
+            except _STREAM_ERRORS:
+                return n + 1  # the unreadable rest becomes one quarantine entry
         return n + (0 if last == b"\n" else 1)
 
     def __iter__(self) -> Iterator[_Raw]:
@@ -182,6 +242,10 @@ class _JsonlReader(_Reader):
                     else:
                         reason = f"truncated last line (no newline at end of file): invalid JSON: {e.msg}"
                     yield _Raw(where, error=reason, text=text[:_EXCERPT])
+                    continue
+                except Exception as e:  # well-formed but refused: nesting past the recursion limit, an
+                    # integer past the digit limit
+                    yield _Raw(where, error=_reason(e), text=text[:_EXCERPT])
                     continue
                 yield _Raw(where, record=rec, text=text[:_EXCERPT])
 
@@ -242,6 +306,15 @@ class _Truncated(Exception):
 
 class _Syntax(Exception):
     pass
+
+
+class _Refused(Exception):
+    """Well-formed JSON the decoder still refuses (too deep, an integer too long); the message is
+    the quarantine reason. The value can be skipped by its brackets."""
+
+
+_SKIP_PLAIN = re.compile(r'["\[\]{},\s]')  # where a value outside any string may start or end
+_SKIP_STRING = re.compile(r'["\\]')  # inside a string: its end or an escape
 
 
 _DECODER = json.JSONDecoder()
@@ -307,6 +380,8 @@ class _JsonText:
                     self.more()
                     continue
                 raise _Syntax(e.msg) from None
+            except (ValueError, RecursionError) as e:
+                raise _Refused(_reason(e)) from None
             if end >= len(self.buf) and not self.eof:
                 self.more()  # a number cut at the window edge decodes "successfully"
                 continue
@@ -316,6 +391,52 @@ class _JsonText:
 
     def excerpt(self) -> str:
         return self.buf[self.pos:self.pos + _EXCERPT]
+
+    def skip(self) -> bool:
+        """Move the cursor past the value at it without decoding it, matching brackets and stepping
+        over strings: O(its length), one window at a time. False when the stream ends inside it."""
+        depth = 0
+        in_string = False
+        while True:
+            buf, i = self.buf, self.pos
+            while True:
+                m = (_SKIP_STRING if in_string else _SKIP_PLAIN).search(buf, i)
+                if m is None:
+                    i = len(buf)
+                    break
+                c, i = m.group(), m.start()
+                if in_string:
+                    if c == "\\":
+                        if i + 1 >= len(buf):
+                            break  # the escaped character is in the next window
+                        i += 2
+                        continue
+                    in_string = False
+                    i += 1
+                elif c == '"':
+                    in_string = True
+                    i += 1
+                    continue
+                elif c in "[{":
+                    depth += 1
+                    i += 1
+                    continue
+                elif c in "]}":
+                    if depth == 0:  # a bare scalar ended at its container's close
+                        self.pos = i
+                        return True
+                    depth -= 1
+                    i += 1
+                elif depth > 0:  # a comma or blank inside the value
+                    i += 1
+                    continue
+                if depth == 0:  # the value closed, or a bare scalar ended at a comma or blank
+                    self.pos = i
+                    return True
+            self.pos = i
+            if self.eof:
+                return False
+            self.more()
 
 
 class _JsonReader(_Reader):
@@ -328,7 +449,13 @@ class _JsonReader(_Reader):
 
     def count(self) -> int:
         if self._count is None:
-            self._count = sum(1 for _ in self._items(decode_only=True))
+            n = 0
+            try:
+                for _ in self._items(decode_only=True):
+                    n += 1
+            except _STREAM_ERRORS:
+                n += 1  # the unreadable rest becomes one quarantine entry
+            self._count = n
         return self._count
 
     def __iter__(self) -> Iterator[_Raw]:
@@ -374,6 +501,11 @@ class _JsonReader(_Reader):
                     text=excerpt,
                 )
                 return
+            except _Refused as e:
+                yield _Raw(where, error=str(e), text=excerpt)
+                if not t.skip():
+                    return
+                continue
             yield _Raw(where, record=obj, text=text)
 
     def _wrapper(self, t: _JsonText) -> Iterator[_Raw]:
@@ -900,16 +1032,31 @@ class Source:
             return
         seen = _IdSet()
         yielded = 0
-        for raw in self._reader:
+        raws = iter(self._reader)
+        last: str | None = None
+        while True:
+            try:
+                raw = next(raws)
+            except StopIteration:
+                return
+            except InputError as e:
+                if last is None:
+                    raise  # the file as a whole cannot be read: the caller's error, as at open
+                yield self._rest_unread(last, e)
+                return
+            except Exception as e:  # the stream broke part-way (a cut gzip): keep what came before
+                yield self._rest_unread(last, e)
+                return
+            last = raw.where
             if raw.error is not None:
                 yield Quarantined(self.name, raw.where, raw.error, raw.excerpt())
                 continue
             try:
                 conv = self._convert(raw.record)
-            except _Bad as e:
-                yield Quarantined(self.name, raw.where, str(e), raw.excerpt())
+                sid = conv.source_id or content_hash(conv.messages, conv.tools)
+            except Exception as e:  # _Bad, or whatever else a converter raises on odd input
+                yield Quarantined(self.name, raw.where, _reason(e), raw.excerpt())
                 continue
-            sid = conv.source_id or content_hash(conv.messages, conv.tools)
             sample_id = f"{self.name}/{sid}"
             if not seen.add(sample_id):
                 yield Quarantined(
@@ -921,16 +1068,29 @@ class Source:
                 messages = [{"role": "system", "content": self._system_prompt}, *messages]
             meta = dict(conv.meta or {})
             meta["where"] = raw.where
+            tools = conv.tools if conv.tools is not None else self._tools
+            try:
+                # what the engine and the journal will encode: lone surrogates and nesting past
+                # orjson's 255 levels fail here, once, instead of on every attempt
+                orjson.dumps([messages, tools, meta])
+            except orjson.JSONEncodeError as e:
+                yield Quarantined(self.name, raw.where, f"not valid JSON for a request: {e}", raw.excerpt())
+                continue
             yield Sample(
                 id=sample_id,
                 dataset=self.name,
                 messages=messages,
-                tools=conv.tools if conv.tools is not None else self._tools,
+                tools=tools,
                 meta=meta,
             )
             yielded += 1
             if self._limit is not None and yielded >= self._limit:
                 return
+
+    def _rest_unread(self, last: str | None, e: BaseException) -> Quarantined:
+        what = self.paths[0] if len(self.paths) == 1 else "the input"
+        where = f"after {last}" if last else "the first record"
+        return Quarantined(self.name, where, f"{_reason(e)}; the rest of {what} cannot be read")
 
 
 # ============================================================================ built-in sources
