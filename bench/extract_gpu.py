@@ -7,9 +7,9 @@ split of `--samples` sequences with lengths uniform in [--min-len, --max-len]. R
 both, the ratio, and bytes per token on disk for bf16 and fp8, and the padded share of the forwards:
 extract's (batches planned over windows of `--batch-window` shards, extract.batch_window) beside the
 bare forward's (one plan over every sample). Optional arms in the same run: `--tail-split N` (bf16
-with smaller final shards; session 6: slower, 0.68 vs 0.72) and `--writeback-ab` (bf16 once more
-with extract's eager writeback flipped: off where the default is async or sync, else async;
-SPECOPS_EAGER_WRITEBACK and `_EAGER_WRITEBACK` in specops/extract.py).
+with smaller final shards, extract.tail_split) and `--writeback-ab` (bf16 once more with extract's
+eager writeback flipped: extract.eager_writeback "off" where "auto" resolves to async or sync on
+this machine, else "async"; `resolve_writeback` in specops/features.py).
 
     python bench/extract_gpu.py [--tiny] [--samples 160] [--batch-window N] [--tail-split N] [--writeback-ab]
                                 [--out results.json]

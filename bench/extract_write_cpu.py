@@ -17,10 +17,11 @@ Each repeat runs, back to back on the same disk:
   analogue of the GPU benchmark's "extract vs bare forward" ratio (1.0 = the writes are completely
   hidden).
 
-`--eager-writeback async|sync|off` forces the write path's eager writeback (sync_file_range after
-each written range, by a flusher thread or by the writer; see `_EAGER_WRITEBACK` in
-specops/extract.py), to compare them in the same conditions; `--staged` takes the CUDA path's
-reused staging slots (here plain host buffers) instead of handing the features over directly.
+`--eager-writeback async|sync|off` forces the write path's eager writeback (extract.eager_writeback:
+sync_file_range after each written range, by a flusher thread or by the writer; see
+`resolve_writeback` and `ShardWriter` in specops/features.py), to compare them in the same
+conditions; `--staged` takes the CUDA path's reused staging slots (here plain host buffers) instead
+of handing the features over directly.
 
 The disk of a shared machine varies from second to second, so repeats alternate the three and the
 medians are reported next to every repeat's figures.
@@ -187,7 +188,7 @@ def main() -> None:
     ap.add_argument("--eager-writeback", choices=("auto", "async", "sync", "on", "off"), default="auto",
                     help="start each written range's writeback at once: async (a flusher thread), sync or on (the "
                          "writer itself), off (leave it to each shard's fsync); auto: extract's own choice "
-                         "(SPECOPS_EAGER_WRITEBACK, default async with >= 8 CPUs, else off)")
+                         "(extract.eager_writeback = auto: async with >= 8 usable CPUs, else off)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)

@@ -6,23 +6,30 @@ vocab, feature shards in the DESIGN format), runs `run_train` for --steps optimi
 tokens/s from drafter/metrics.jsonl (excluding the first logged window: warm-up).
 
     python bench/train_gpu.py [--tiny | --shape smollm2] [--seqs 64] [--seq-len 2048] [--batch-tokens 16384]
-                              [--steps 12] [--vary-len MIN] [--profile FILE]
+                              [--steps 12] [--vary-len MIN] [--profile FILE] [--cuda-graphs]
+                              [--ttt-attention block|dense] [--fused-loss auto|on|off]
+                              [--compile-loss auto|on|off] [--compile-layer auto|on|off] [--sdpa-cudnn]
 
---shape smollm2: the SmolLM2-135M target (H 576, 30 layers, vocab 49152, 9/3 heads) whose real
-training ran host-bound on the H200 (GPU util < 20 %). --profile FILE: torch.profiler (CPU + CUDA)
-over the optimizer steps after the first --profile-skip (default 3: the loss kernels' compile and
-the allocator's warm-up stay out) up to the last one (the final checkpoint stays out); the top
-ops by self CPU time and by device time written to FILE.
+--shape smollm2: the SmolLM2-135M target (H 576, 30 layers, vocab 49152, 9/3 heads), whose small
+layer leaves a training step bound by host time rather than device time. --profile FILE:
+torch.profiler (CPU + CUDA) over the optimizer steps after the first --profile-skip (default 3: the
+loss kernels' compile and the allocator's warm-up stay out) up to the last one (the final
+checkpoint stays out); the top ops by self CPU time and by device time written to FILE.
 --vary-len MIN: sample lengths drawn uniformly from MIN..seq-len (seeded), so batches change shape
-from step to step as real data does; run it twice, with SPECOPS_SDPA_CUDNN=1 and without, to
-measure what torch's cuDNN attention choice costs (drafter/model.py).
+from step to step as real data does; run it twice, with --sdpa-cudnn and without, to measure what
+torch's cuDNN attention choice costs (drafter/model.py).
+
+The kernel flags set the train section's keys of the same names (train.ttt_attention,
+train.fused_loss, train.compile_loss, train.compile_layer, train.sdpa_cudnn; drafter/model.py
+KernelOptions), so arms differ only in how the step is computed; their defaults are the config's,
+and the result JSON records the values each run used.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -38,10 +45,12 @@ sys.path.insert(0, str(REPO / "src"))
 from safetensors.torch import save_file  # noqa: E402
 
 from specops.campaign import Campaign  # noqa: E402
-from specops.config import config_from_dict  # noqa: E402
+from specops.config import TrainSection, config_from_dict  # noqa: E402
 from specops.drafter.train import run_train  # noqa: E402
 
 
+# train.* keys that choose how the step is computed, never what (drafter/model.py KernelOptions)
+KERNEL_KEYS = ("ttt_attention", "fused_loss", "compile_loss", "compile_layer", "sdpa_cudnn")
 SHAPES = {"tiny": (64, 8, 512, 128, 128, 4, 2), "8b": (4096, 32, 128256, 32000, 14336, 32, 8),
           "smollm2": (576, 30, 49152, 32000, 1536, 9, 3)}
 
@@ -127,14 +136,27 @@ def main() -> None:
     ap.add_argument("--vary-len", type=int, metavar="MIN")
     ap.add_argument("--cuda-graphs", action="store_true", help="train.cuda_graphs (drafter/graphs.py)")
     ap.add_argument("--graph-bucket", type=int, default=128)
+    default = {f.name: f.default for f in dataclasses.fields(TrainSection)}
+    ap.add_argument("--ttt-attention", choices=("block", "dense"), default=default["ttt_attention"],
+                    help="train.ttt_attention: block (step 0's keys once + a per-slot probe) or dense "
+                         "([T, (k+1)T] masks through SDPA)")
+    for key, what in (("fused_loss", "lm_head + soft CE as one autograd node per TTT step"),
+                      ("compile_loss", "torch.compile the soft CE kernels"),
+                      ("compile_layer", "torch.compile the drafter layer's elementwise regions")):
+        ap.add_argument("--" + key.replace("_", "-"), choices=("auto", "on", "off"), default=default[key],
+                        help=f"train.{key}: {what}; auto = on CUDA (default: %(default)s)")
+    ap.add_argument("--sdpa-cudnn", action="store_true", default=default["sdpa_cudnn"],
+                    help="train.sdpa_cudnn: let SDPA pick cuDNN for masked attention (a plan per new shape) "
+                         "instead of forcing the memory-efficient kernel")
     a = ap.parse_args()
+    kernels = {k: getattr(a, k) for k in KERNEL_KEYS}
     shape = "tiny" if a.tiny else a.shape
     work = Path(tempfile.mkdtemp(prefix="specops-train-bench-"))
     try:
         camp_dir, tdir = write_synthetic_campaign(work, shape, a.seqs, a.seq_len, a.vary_len)
         cfg = synthetic_train_config(camp_dir, tdir, ttt_steps=a.ttt, batch_tokens=a.batch_tokens,
                                      total_steps=a.steps, max_seq_len=a.seq_len, cuda_graphs=a.cuda_graphs,
-                                     graph_bucket=a.graph_bucket)
+                                     graph_bucket=a.graph_bucket, **kernels)
         camp = Campaign.create_or_open(cfg)
         prof = hook = None
         if a.profile:
@@ -172,11 +194,7 @@ def main() -> None:
             "target": {"tiny": "tiny", "8b": "8B-shaped (H4096, V128256), draft vocab 32000",
                        "smollm2": "SmolLM2-shaped (H576, V49152), draft vocab 32000"}[shape],
             "ttt_steps": a.ttt, "seq_len": a.seq_len, "vary_len_min": a.vary_len, "batch_tokens": a.batch_tokens,
-            "steps": a.steps, "sdpa_cudnn_kept": os.environ.get("SPECOPS_SDPA_CUDNN", "0") == "1",
-            "ttt_attention": "dense" if os.environ.get("SPECOPS_TTT_DENSE", "0") == "1" else "block0+probe",
-            "compile_loss": os.environ.get("SPECOPS_COMPILE_LOSS", "auto"),
-            "fused_loss": os.environ.get("SPECOPS_FUSED_LOSS", "auto"),
-            "compile_layer": os.environ.get("SPECOPS_COMPILE_LAYER", "0"),
+            "steps": a.steps, **kernels,
             "tokens_per_s": round(sum(r["tokens_per_s"] for r in steady) / len(steady), 1),
             "tokens_per_s_second_half": round(sum(r["tokens_per_s"] for r in late) / len(late), 1),
             "cuda_graphs": summary.get("cuda_graphs"),

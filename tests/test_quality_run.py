@@ -24,8 +24,8 @@ def quality():
 def test_variant_names_are_stable_and_path_safe(quality):
     assert quality.variant_name({"lr": 2e-3}) == "lr-0.002"
     assert quality.variant_name({"lr": 1.5e-3, "batch_tokens": 8192}) == "lr-0.0015_batch_tokens-8192"
-    v = {"lr": 3e-3, "env": {"SPECOPS_FUSED_LOSS": "1"}, "timeout_s": 200, "name": "x"}
-    assert quality.variant_name(v) == "lr-0.003_SPECOPS_FUSED_LOSS-1"  # the time cap is not part of it
+    v = {"lr": 3e-3, "fused_loss": "on", "timeout_s": 200, "name": "x"}
+    assert quality.variant_name(v) == "lr-0.003_fused_loss-on"  # the time cap is not part of it
     name = quality.variant_name({"lr": 1e-3, "loss_decay": 0.6, "batch_tokens": 4096})
     assert name == "lr-0.001_batch_tokens-4096_loss_decay-0.6" and "/" not in name
 
@@ -52,6 +52,48 @@ def test_every_scale_gives_valid_variants(quality):
     # the anchor at its own default tokens per step; our main recipe at 2,048 (session 11's choice on val)
     assert h200["anchor_total_seq_len"] == 8192 and h200["batch_tokens"] == 2048
     assert quality.anchor_seq_len(h200) == 8192
+
+
+def _train_config(tmp_path, train):
+    """train.* overrides through the config's own checks (keys, types, literal values)."""
+    from specops.config import config_from_dict
+
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "d.jsonl").write_text('{"prompt": "x"}\n')
+    return config_from_dict({"campaign": {"name": "q", "dir": str(tmp_path / "camp")},
+                             "target": {"model": str(tmp_path / "model")}, "train": train,
+                             "datasets": [{"name": "d", "path": str(tmp_path / "d.jsonl")}]}).train
+
+
+def test_kernel_switches_are_train_keys_of_a_variant(quality, tmp_path):
+    """A variant sets the trainer's kernel keys like any other train.* key: they name it, land in its
+    train section and pass the config's checks; the smoke scale's variant turns the compiled loss off."""
+    from specops.config import ConfigError
+
+    got = quality.sweep_variants({"lr": 1e-3, "sweep": ({"fused_loss": "on", "compile_layer": "auto",
+                                                         "ttt_attention": "dense", "sdpa_cudnn": True},)})
+    assert [v["name"] for v in got] == ["lr-0.001_compile_layer-auto_fused_loss-on_sdpa_cudnn-True_ttt_attention-dense"]
+    train = {k: x for k, x in got[0].items() if k not in quality._NOT_TRAIN}
+    tc = _train_config(tmp_path, train)
+    assert (tc.fused_loss, tc.compile_layer, tc.ttt_attention, tc.sdpa_cudnn) == ("on", "auto", "dense", True)
+    smoke = quality.sweep_variants(quality.SCALES["smoke"])
+    assert [v.get("compile_loss") for v in smoke] == [None, "off"]  # its lr_sweep entry, then its sweep entry
+    smoke_train = {k: x for k, x in smoke[1].items() if k not in quality._NOT_TRAIN}
+    assert _train_config(tmp_path, smoke_train).compile_loss == "off"
+    with pytest.raises(ConfigError, match="fused_loss"):
+        _train_config(tmp_path, {"fused_loss": "1"})  # the config's values, not the old switch's digits
+    with pytest.raises(SystemExit, match="unknown key"):
+        quality.sweep_variants({"lr": 1e-3, "sweep": ({"env": {"X": "1"}},)})  # no environment side channel
+
+
+def test_the_training_fallback_is_recorded_and_valid(quality, tmp_path):
+    """phase_ours's fallback forms are valid train.* values, and what it records in the work dir is what
+    the sweep and a rerun apply (train_fallback); a work dir without one applies nothing."""
+    assert quality.train_fallback(tmp_path) == {}
+    tc = _train_config(tmp_path, quality.TRAIN_FALLBACK)
+    assert (tc.ttt_attention, tc.fused_loss, tc.compile_loss, tc.compile_layer) == ("dense", "off", "off", "off")
+    quality.write_result(tmp_path, "ours-train-fallback", {"error": "x", "train": quality.TRAIN_FALLBACK})
+    assert quality.train_fallback(tmp_path) == quality.TRAIN_FALLBACK
 
 
 def test_a_variant_without_its_own_lr_carries_the_main_one(quality):

@@ -52,14 +52,15 @@ echo "experiment rc=$rc $(date -u +%FT%TZ)" >> "$W/results/bg.state"
 # Their inputs are synthetic except the local engine's, which runs the real converted SmolLM2.
 # QUALITY_BENCHES: a space-separated subset of "local-engine extract train train-ab ttt-ab
 # drafter-step train-prof" (default the first three; "" none).
-#   train-ab: SmolLM2-shaped training on varied lengths, torch's cuDNN attention choice kept vs ours
-#   ttt-ab: the same, before session 5 (dense TTT attention, eager loss), with block 0 + probe
-#           attention, and with the compiled loss too (SPECOPS_TTT_DENSE, SPECOPS_COMPILE_LOSS)
+#   train-ab: SmolLM2-shaped training on varied lengths, torch's cuDNN attention choice kept vs the
+#             memory-efficient kernel forced (train.sdpa_cudnn)
+#   ttt-ab: the same with the reference forms (dense TTT attention, eager loss), with block + probe
+#           attention, and with the compiled loss too (train.ttt_attention, train.compile_loss)
 #   drafter-step: eval's drafter runners (eager, static, static + CUDA graph), bench/drafter_step.py
-#   train-real-ab: the trainer's forms (session 7's fused loss, compiled layer regions) on the real
-#                  campaign's features, 60 steps each (bench/train_real_ab.py); needs the features
-#   loss-ab: SmolLM2-shaped training before session 7, with the fused lm_head + soft CE, and with the
-#            drafter layer's compiled regions too (SPECOPS_FUSED_LOSS, SPECOPS_COMPILE_LAYER)
+#   train-real-ab: the trainer's forms (fused loss, compiled layer regions) on the real campaign's
+#                  features, 60 steps each (bench/train_real_ab.py); needs the features
+#   loss-ab: SmolLM2-shaped training with neither, then with the fused lm_head + soft CE and the
+#            drafter layer's compiled regions (train.fused_loss, train.compile_layer)
 #   train-graphs: SmolLM2-shaped training at 8,192 tokens/step, eager vs train.cuda_graphs
 #   train-prof: a torch.profiler table of a SmolLM2-shaped training run (host and device time)
 #   eval-batched: tau evaluation, the batch-1 loop vs the batched loop (bench/eval_batched.py)
@@ -71,8 +72,8 @@ if [ -n "$benches" ]; then
   case " $benches " in *" train-real-ab "*)  # trainer forms on the real features (before the features go)
     python3 bench/train_real_ab.py "$W/ours.toml" --work "$W/train-ab" --steps 60 --log-every 5 --timeout 100 \
       --recompiles --out "$W/results/bench-train-real-ab.json" \
-      --arm before SPECOPS_FUSED_LOSS=0 SPECOPS_COMPILE_LAYER=0 --arm fused-loss SPECOPS_FUSED_LOSS=1 SPECOPS_COMPILE_LAYER=0 \
-      --arm layer SPECOPS_FUSED_LOSS=0 SPECOPS_COMPILE_LAYER=auto --arm both SPECOPS_FUSED_LOSS=1 SPECOPS_COMPILE_LAYER=auto \
+      --arm before fused_loss=off compile_layer=off --arm fused-loss fused_loss=on compile_layer=off \
+      --arm layer fused_loss=off compile_layer=auto --arm both fused_loss=on compile_layer=auto \
       > "$W/results/bench-train-real-ab.log" 2>&1
     cp "$W"/train-ab/*.log "$W/results/" 2>/dev/null ;; esac
   [ -f "$W/results/anchor.json" ] && rm -rf "$W/anchor/data" "$W/campaign/features"
@@ -84,23 +85,26 @@ if [ -n "$benches" ]; then
       --out "$W/results/bench-local-engine.json" > "$W/results/bench-local-engine.log" 2>&1 ;; esac
   case " $benches " in *" extract "*)
     python3 bench/extract_gpu.py --out "$W/results/bench-extract.json" > "$W/results/bench-extract.log" 2>&1 ;; esac
-  # SmolLM2-shaped training on varied lengths, one run per arm: train_arms NAME SEQS "ENV=V ... LABEL"...
+  # SmolLM2-shaped training on varied lengths, one run per arm, an arm being train_gpu.py's kernel
+  # flags (train.* keys) then its label: train_arms NAME SEQS "[--FLAG VALUE ...] LABEL"...
   train_arms() {
-    local name=$1 seqs=$2 arm; shift 2
+    local name=$1 seqs=$2 arm label flags; shift 2
     for arm in "$@"; do
-      env ${arm% *} python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs "$seqs" --steps 16 \
-        --out "$W/results/bench-$name-${arm##* }.json" > "$W/results/bench-$name-${arm##* }.log" 2>&1
+      label=${arm##* } flags=
+      [ "$arm" != "$label" ] && flags=${arm% *}
+      python3 bench/train_gpu.py $flags --shape smollm2 --seq-len 2048 --vary-len 128 --seqs "$seqs" --steps 16 \
+        --out "$W/results/bench-$name-$label.json" > "$W/results/bench-$name-$label.log" 2>&1
     done
   }
   case " $benches " in *" train-ab "*)
-    train_arms train-ab 256 "SPECOPS_SDPA_CUDNN=0 cudnn0" "SPECOPS_SDPA_CUDNN=1 cudnn1" ;; esac
-  case " $benches " in *" ttt-ab "*)  # session 5's trainer changes, one at a time (drafter/model.py, train.py)
-    train_arms ttt-ab 256 "SPECOPS_TTT_DENSE=1 SPECOPS_COMPILE_LOSS=0 before" "SPECOPS_TTT_DENSE=0 SPECOPS_COMPILE_LOSS=0 attn" \
-      "SPECOPS_TTT_DENSE=0 SPECOPS_COMPILE_LOSS=auto attn+loss" ;; esac
-  case " $benches " in *" loss-ab "*)  # session 7's trainer changes, one at a time (drafter/train.py, model.py)
-    train_arms loss-ab 128 "SPECOPS_FUSED_LOSS=0 SPECOPS_COMPILE_LAYER=0 before" \
-      "SPECOPS_FUSED_LOSS=1 SPECOPS_COMPILE_LAYER=auto fused-loss+layer" ;; esac
-  case " $benches " in *" train-graphs "*)  # session 9: the training micro-step as CUDA graphs, SmolLM2-shaped, 8,192 tokens/step
+    train_arms train-ab 256 "cudnn0" "--sdpa-cudnn cudnn1" ;; esac
+  case " $benches " in *" ttt-ab "*)  # TTT attention, then the compiled loss (drafter/model.py, train.py)
+    train_arms ttt-ab 256 "--ttt-attention dense --compile-loss off before" \
+      "--ttt-attention block --compile-loss off attn" "--ttt-attention block --compile-loss auto attn+loss" ;; esac
+  case " $benches " in *" loss-ab "*)  # the fused loss and the compiled layer regions (drafter/train.py, model.py)
+    train_arms loss-ab 128 "--fused-loss off --compile-layer off before" \
+      "--fused-loss on --compile-layer auto fused-loss+layer" ;; esac
+  case " $benches " in *" train-graphs "*)  # the training micro-step as CUDA graphs, SmolLM2-shaped, 8,192 tokens/step
     for arm in eager graphs; do
       python3 bench/train_gpu.py --shape smollm2 --seq-len 2048 --vary-len 128 --seqs 256 --steps 120 --batch-tokens 8192 \
         $( [ $arm = graphs ] && echo --cuda-graphs ) --out "$W/results/bench-train-graphs-$arm.json" \

@@ -38,6 +38,7 @@ import sys
 import tarfile
 import threading
 import time
+import tomllib
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -160,7 +161,7 @@ SCALES: dict[str, dict[str, Any]] = {
     "smoke": dict(
         sharegpt=6, bfcl=4, max_tokens=24, batch_size=8, concurrency=16, dtype="float32",
         max_model_len=1024, draft_vocab=2048, epochs=1, lr=5e-4, warmup=2, batch_tokens=2048,
-        lr_sweep=(1e-3,), sweep=({"lr": 1e-3, "batch_tokens": 1024, "env": {"SPECOPS_COMPILE_LOSS": "0"}, "timeout_s": 500},),
+        lr_sweep=(1e-3,), sweep=({"lr": 1e-3, "batch_tokens": 1024, "compile_loss": "off", "timeout_s": 500},),
         sweep_timeout_s=600,
         log_every=2, eval_every=4, checkpoint_every=4, anchor_lr=1e-3, anchor_cpu=True, anchor_timeout_s=300, eval_limit=1, spec_bench_limit=2,
         anchor_warm=True, anchor_warm_samples=10, anchor_warm_max_len=256,
@@ -308,21 +309,23 @@ def phase_ours(work: Path, cfg_path: Path, ours_drafter: Path | None = None) -> 
     try:
         dt = sh(cmd, work / "results" / "ours.log")
     except SystemExit as e:
-        # Trainer changes that ran on CPUs only before a lease (session 5: block-0 TTT attention,
-        # compiled loss; session 7: fused lm_head + loss, compiled layer regions): if training fails,
-        # resume once with the earlier forms (generate, build and extract are done and skipped) and
-        # say so in the result.
+        # The trainer's faster forms (block TTT attention, compiled and fused loss, compiled layer
+        # regions) may meet a compiler or kernel failure on a device the tests never ran on: if
+        # training fails, resume once with the reference forms (TRAIN_FALLBACK; generate, build and
+        # extract are done and skipped) and say so in the result.
         mpath = work / "campaign" / "manifest.json"
         ph = json.loads(mpath.read_text()).get("phases", {}) if mpath.is_file() else {}
         state = lambda name: (ph.get(name) or {}).get("state")  # noqa: E731
         if ours_drafter or state("extract") != "done" or state("train") == "done":
             raise
-        log(f"ours: training failed ({str(e)[-400:]}); resuming with SPECOPS_TTT_DENSE=1 SPECOPS_COMPILE_LOSS=0 "
-            "SPECOPS_FUSED_LOSS=0 SPECOPS_COMPILE_LAYER=0")
-        write_result(work, "ours-train-fallback", {"error": str(e)[-3000:]})
-        # the forms before sessions 5 and 7; the lr sweep trains the same way
-        os.environ.update(SPECOPS_TTT_DENSE="1", SPECOPS_COMPILE_LOSS="0", SPECOPS_FUSED_LOSS="0",
-                          SPECOPS_COMPILE_LAYER="0")
+        log(f"ours: training failed ({str(e)[-400:]}); resuming with train "
+            + " ".join(f"{k}={v}" for k, v in TRAIN_FALLBACK.items()))
+        # recorded, so the lr sweep and a rerun of this script train the same way (train_fallback)
+        write_result(work, "ours-train-fallback", {"error": str(e)[-3000:], "train": TRAIN_FALLBACK})
+        cfg = tomllib.loads(cfg_path.read_text())
+        cfg.setdefault("train", {}).update(TRAIN_FALLBACK)
+        cfg_path.write_text(dump_toml(cfg))
+        load_config(cfg_path)
         dt = sh(cmd, work / "results" / "ours.log")
     man = json.loads((work / "campaign" / "manifest.json").read_text())
     metrics_path = work / "campaign" / "drafter" / "metrics.jsonl"
@@ -330,6 +333,17 @@ def phase_ours(work: Path, cfg_path: Path, ours_drafter: Path | None = None) -> 
     write_result(work, "ours", {"done": True, "wall_s": dt, "phases": man["phases"],
                                 "drafter": str(ours_drafter) if ours_drafter else None,
                                 "train_metrics_tail": metrics[-6:], "val": [m for m in metrics if m.get("split") == "val"]})
+
+
+# The trainer's reference forms (drafter/model.py KernelOptions): dense [T, (k+1)T] TTT attention
+# masks, the eager soft CE, no compiled layer regions. The same loss and gradients, slower, and
+# nothing compiled that could fail.
+TRAIN_FALLBACK = {"ttt_attention": "dense", "fused_loss": "off", "compile_loss": "off", "compile_layer": "off"}
+
+
+def train_fallback(work: Path) -> dict[str, Any]:
+    """The train.* overrides phase_ours fell back to in this work dir ({} when it did not)."""
+    return dict((read_result(work, "ours-train-fallback") or {}).get("train") or {})
 
 
 def ours_export(work: Path, ours_drafter: Path | None = None) -> Path:
@@ -353,9 +367,9 @@ def main_train(s: dict[str, Any]) -> dict[str, Any]:
 
 def sweep_variants(s: dict[str, Any]) -> list[dict[str, Any]]:
     """The scale's recipe variants besides the main run: `sweep` entries (dicts of train.* overrides,
-    plus an optional "env" of trainer switches such as SPECOPS_FUSED_LOSS) and, from older command
-    lines, `lr_sweep` (one variant per lr). A variant equal to the main recipe, or to an earlier
-    variant, is dropped. Each comes back with its name (the directory and result key) and its lr
+    the trainer's kernel keys such as fused_loss = "on" among them, plus an optional time cap
+    "timeout_s") and `lr_sweep` (one variant per lr). A variant equal to the main recipe, or to an
+    earlier variant, is dropped. Each comes back with its name (the directory and result key) and its lr
     (the main one unless it sets its own: the winner's lr is reported whichever run wins)."""
     main = {"lr": float(s["lr"])}
     # the main run's own train values: a variant entry that repeats one of them changes nothing
@@ -374,20 +388,20 @@ def sweep_variants(s: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-# what a sweep variant may change: train.* keys (the same data and epochs always) and trainer switches
+# what a sweep variant may change: train.* keys (the same data and epochs always), the kernel keys
+# (how the step is computed: drafter/model.py KernelOptions) among them, and its time cap
 SWEEP_KEYS = {"lr", "batch_tokens", "loss_decay", "warmup_steps", "min_lr_ratio", "weight_decay",
               "norm_before_residual", "max_grad_norm", "cuda_graphs", "graph_bucket", "optimizer", "freeze_lm_head",
-              "lr_schedule", "pack_rows", "loss_on_prompt", "init_norm_from_target", "mask_repetition", "env",
-              "timeout_s"}
-_NOT_TRAIN = ("name", "env", "timeout_s")  # variant keys that are not train.* overrides
+              "lr_schedule", "pack_rows", "loss_on_prompt", "init_norm_from_target", "mask_repetition",
+              "ttt_attention", "fused_loss", "compile_loss", "compile_layer", "sdpa_cudnn", "timeout_s"}
+_NOT_TRAIN = ("name", "timeout_s")  # variant keys that are not train.* overrides
 
 
 def variant_name(v: dict[str, Any]) -> str:
-    """lr-0.002, lr-0.0015_batch_tokens-8192, lr-0.003_SPECOPS_FUSED_LOSS-1: stable, path-safe."""
+    """lr-0.002, lr-0.0015_batch_tokens-8192, lr-0.003_fused_loss-on: stable, path-safe."""
     parts = [f"lr-{float(v['lr']):g}"]
     parts += [f"{k}-{v[k]:g}" if isinstance(v[k], float) else f"{k}-{v[k]}"
               for k in sorted(v) if k not in ("lr", *_NOT_TRAIN)]
-    parts += [f"{k}-{x}" for k, x in sorted((v.get("env") or {}).items())]
     return "_".join(parts)
 
 
@@ -486,12 +500,12 @@ def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_dra
                     (camp / sub).symlink_to(os.path.relpath(camp_main / sub, camp), target_is_directory=True)
             cfg = json.loads(json.dumps(base))
             cfg["campaign"] = {"name": f"quality-{key}", "dir": str(camp), "seed": base["campaign"]["seed"]}
-            cfg["train"].update({k: x for k, x in v.items() if k not in _NOT_TRAIN})
+            # the main run's forms if it fell back to the reference ones, then the variant's own keys
+            cfg["train"].update({**train_fallback(work), **{k: x for k, x in v.items() if k not in _NOT_TRAIN}})
             cfg_path = work / "lr-sweep" / f"{key}.toml"
             cfg_path.write_text(dump_toml(cfg))
             load_config(cfg_path)
             dt = sh(specops("run", cfg_path, "--from", "train", "--to", "export"), work / "results" / f"lr-sweep-{key}.log",
-                    env={k: str(x) for k, x in (v.get("env") or {}).items()},
                     timeout=v.get("timeout_s", s.get("sweep_timeout_s")))
             runs[key] = {**_sweep_run(camp, v), "command_wall_s": dt}
         except (SystemExit, Exception) as e:  # this variant failed: the others still count
@@ -855,6 +869,7 @@ def main() -> None:
     data = unpack(work, args.carry)
     trim_eval_sets(data, s["eval_limit"], s.get("spec_bench_limit"))
     base = base_config(work, data, args.model, s)
+    base["train"].update(train_fallback(work))  # a rerun keeps the forms an earlier fallback chose
     if args.records and not (work / "campaign" / "generate").exists():
         (work / "campaign").mkdir(parents=True, exist_ok=True)
         with tarfile.open(args.records) as tf:
