@@ -13,10 +13,9 @@ from typing import Any
 import pytest
 
 from specops.config import DatasetSection
-from specops.errors import InputError
-from specops.generate import sources
-from specops.generate.sources import open_source
-from specops.generate.types import Quarantined, Sample
+from specops.errors import ConfigError, InputError
+from specops import sources
+from specops.sources import Quarantined, Sample, open_source
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -644,13 +643,12 @@ def test_builtin_path_override(tmp_path: Path) -> None:
 def test_oversized_line_is_quarantined_without_holding_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A runaway line (a whole dump without newlines, a binary file) is cut off at the cap: it is
     quarantined with its size, memory stays bounded, and the next line still reads."""
-    monkeypatch.setenv("SPECOPS_MAX_LINE_BYTES", str(64 << 10))
     big = json.dumps(msgs_rec("x" * (12 << 20), id="big"))  # 12 MiB line, many read chunks long
     p = write_lines(tmp_path / "big.jsonl", [msgs_rec("before", id="a"), big, msgs_rec("after", id="b"), big],
                     final_newline=False)
     tracemalloc.start()
     try:
-        s, q = run(ds(p))
+        s, q = run(ds(p, max_line_bytes=64 << 10))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -663,11 +661,12 @@ def test_oversized_line_is_quarantined_without_holding_it(tmp_path: Path, monkey
     assert sources._JsonlReader(p).count() == 4
 
 
-def test_max_line_bytes_must_be_positive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SPECOPS_MAX_LINE_BYTES", "zero")
+def test_max_line_bytes_must_be_positive(tmp_path: Path) -> None:
+    from specops.config import config_from_dict
+
     p = write_lines(tmp_path / "a.jsonl", [msgs_rec("a")])
-    with pytest.raises(InputError, match="SPECOPS_MAX_LINE_BYTES"):
-        run(ds(p))
+    with pytest.raises(ConfigError, match=r"datasets\[0\]\.max_line_bytes: expected a positive number"):
+        config_from_dict({"datasets": [{"name": "d", "path": str(p), "max_line_bytes": 0}]})
 
 
 # ---------------------------------------------------------------------------- records that raise

@@ -472,7 +472,7 @@ def test_run_eval_mtbench_both_turns_files_and_phase(tmp_path, chat_target):
     from specops.evaluate.specdec import run_eval
 
     from specops.config import DatasetSection
-    from specops.generate.sources import open_source
+    from specops.sources import open_source
 
     # a training file that holds MT-bench's first question (reworded whitespace): that prompt is left out
     first = next(iter(open_source(DatasetSection(name="mtbench", source="mtbench", limit=1))))

@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 
-from specops.generate.sources import BFCL_CATEGORIES, _file_reader, _package_dir  # noqa: E402
+from specops.sources import BFCL_CATEGORIES, _file_reader, _package_dir  # noqa: E402
 
 
 def sharegpt_first_turns(out: Path) -> int:

@@ -162,6 +162,7 @@ class DatasetSection:
     tools: str | None = None  # JSON file of OpenAI tool schemas sent with every sample
     turns: Literal["all", "last", "first"] | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
+    max_line_bytes: int = 256 << 20  # a longer JSONL line is quarantined unread (bounds a reader's memory)
 
 
 @dataclass(kw_only=True)
@@ -593,6 +594,8 @@ def _validate(cfg: Config) -> None:
             )
         if ds.source == "file" and not ds.path:
             raise ConfigError(f"{key}.path: required when source = 'file'")
+        if ds.max_line_bytes < 1:
+            raise ConfigError(f"{key}.max_line_bytes: expected a positive number of bytes, got {ds.max_line_bytes}")
         if ds.path:
             ds.path = resolve(ds.path)
             if not Path(ds.path).exists():

@@ -51,7 +51,7 @@ final barrier.
 Pipelining (`_Pipeline`): the main thread only launches work. Batch features go device->host into
 pinned slots without a sync, on a copy stream beside the compute stream; a writer thread pwrites
 each row into its shard once the copy is done (and a flusher thread asks the kernel to start
-writing each range to disk at once, `_EAGER_WRITEBACK`); a pool of finalizer threads fsyncs, digests
+writing each range to disk at once, `extract.eager_writeback`); a pool of finalizer threads fsyncs, digests
 (`shard_digest`: 64 MiB pieces on a shared pool), writes the
 sidecar and renames shards side by side while the next batches compute. The bytes and the order
 sidecar-then-rename are as above; a run joins every thread before any index, barrier or error exit,
@@ -416,7 +416,7 @@ class _Pipeline:
     and hands the rows to the writer thread, each for its own shard; then goes on to the next batch
     at once. Writer thread (one, FIFO; a file's buffered writes serialize on its inode lock in ext4
     and XFS anyway): waits for the batch's copy (a CUDA event), pwrites each row into its shard (and
-    has its writeback started, by the flusher thread or itself: `_EAGER_WRITEBACK`). Finalizers (a pool of
+    has its writeback started, by the flusher thread or itself: `extract.eager_writeback`). Finalizers (a pool of
     min(batch_window, usable CPUs // 2) threads, at least one): once a shard's writes are done,
     fsync + sha256 it, write the sidecar, rename. A window's shards finish within its last batches,
     so their read-backs (~1.9 s per 2 GB shard) run side by side rather than one after another.

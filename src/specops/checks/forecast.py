@@ -120,7 +120,7 @@ def _dataset_samples(ds: Any) -> int | None:
     if ds.limit is not None:
         return int(ds.limit)
     try:
-        from ..generate.sources import open_source
+        from ..sources import open_source
 
         return int(open_source(ds).count())
     except Exception:  # noqa: BLE001 - an unreadable source is the config check's business

@@ -28,7 +28,7 @@ killed fails the eval (EvalWorkerFailed: its error and exit code) after the othe
 SIGTERM and Ctrl-C end every worker (Interrupted / KeyboardInterrupt); workers die with the parent
 (PR_SET_PDEATHSIG). Nothing is written to eval/ unless every conversation came back.
 
-Data: eval.datasets are built-in sources or files read by generate/sources.py, `limit_per_dataset`
+Data: eval.datasets are built-in sources or files read by sources.py, `limit_per_dataset`
 prompts each, chat template applied with add_generation_prompt. Every user message is a generated
 turn with the model's own earlier answers in the history (MT-bench: both turns). A set that a
 training dataset reads (same built-in source, or a shared file) is refused; single prompts whose
@@ -241,7 +241,7 @@ def _resolved(paths: Iterable[str]) -> set[str]:
 def check_not_trained_on(cfg: Config, evals: list[DatasetSection], eval_paths: dict[str, list[str]]) -> None:
     """Refuse an eval set that a training dataset also reads: the same built-in source (same path or
     both default), or any shared input file."""
-    from ..generate.sources import open_source
+    from ..sources import open_source
 
     for ev in evals:
         mine = _resolved(eval_paths.get(ev.name, []))
@@ -275,8 +275,7 @@ def prompts_seen_in_training(cfg: Config, sources: dict[str, Any]) -> dict[str, 
     """{eval dataset: {sample id: training dataset}} for eval prompts whose first user message is
     also a prompt of a training dataset (each read as generate read it, its limit included).
     Streams the training sources once; a source that cannot be opened now is skipped with a warning."""
-    from ..generate.sources import open_source
-    from ..generate.types import Sample
+    from ..sources import Sample, open_source
 
     want: dict[str, list[tuple[str, str]]] = {}
     for name, src in sources.items():
@@ -342,7 +341,7 @@ def run_eval(cfg: Config, campaign: Campaign, *, drafter_dir: str | os.PathLike[
     eval.workers = N > 1, N worker processes share the conversations (module docstring). Returns
     the summary; nothing is written to eval/ unless every conversation was evaluated.
     """
-    from ..generate.sources import open_source
+    from ..sources import open_source
 
     ec = cfg.eval
     evals = _eval_sections(cfg)
@@ -383,7 +382,7 @@ def _work_items(evals: list[DatasetSection], sources: dict[str, Any], seen: dict
                 ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
     """The ordered conversation list over all datasets ({index, dataset, id, messages}; `index` is
     the position in it) and the quarantined records per dataset. Read before any model loads."""
-    from ..generate.types import Quarantined
+    from ..sources import Quarantined
 
     items: list[dict[str, Any]] = []
     quarantined: dict[str, list[dict[str, Any]]] = {}

@@ -32,15 +32,13 @@ from ..campaign import Campaign, atomic_write_json, now_iso
 from ..config import Config, DatasetSection
 from ..errors import ConfigError, Interrupted, SpecopsError
 from .journal import DiskFull, Journal
-from .sources import open_source
+from ..sources import Quarantined, Sample, open_source
 from .types import (
     ChatRequest,
     Completion,
     Engine,
     EngineError,
-    Quarantined,
     RequestRejected,
-    Sample,
     SamplingParams,
     TransientError,
 )

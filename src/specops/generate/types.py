@@ -1,33 +1,14 @@
-"""Data passed between sources, engines and the runner.
+"""Data passed between the runner and its engines.
 
-A `Sample` is one input conversation with a stable id. An engine turns a `ChatRequest` (one
-assistant turn to generate) into a `Completion`, or raises one of the `EngineError` classes below,
-whose class says what the runner does next.
+An engine turns a `ChatRequest` (one assistant turn to generate) into a `Completion`, or raises
+one of the `EngineError` classes below, whose class says what the runner does next. The samples
+the runner reads are `sources.Sample`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-
-@dataclass(slots=True)
-class Sample:
-    id: str  # "<dataset>/<source id or content hash>", stable across runs
-    dataset: str
-    messages: list[dict[str, Any]]  # OpenAI chat messages: {"role", "content", ...}
-    tools: list[dict[str, Any]] | None = None  # OpenAI tool schemas, passed as `tools`
-    meta: dict[str, Any] = field(default_factory=dict)  # source-specific extras (category, ...)
-
-
-@dataclass(slots=True)
-class Quarantined:
-    """A source record that cannot become a Sample; written to quarantine.jsonl and skipped."""
-
-    dataset: str
-    where: str  # stable position key, e.g. "line 17" or "row 3"; unique within a dataset
-    reason: str
-    excerpt: str = ""  # first bytes of the bad record, for the human reading quarantine.jsonl
 
 
 @dataclass(slots=True)

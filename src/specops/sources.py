@@ -44,15 +44,33 @@ import re
 import zlib
 from array import array
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import orjson
 
-from ..config import DatasetSection
-from ..errors import InputError
-from .types import Quarantined, Sample
+from .config import DatasetSection
+from .errors import InputError
+
+
+@dataclass(slots=True)
+class Sample:
+    id: str  # "<dataset>/<source id or content hash>", stable across runs
+    dataset: str
+    messages: list[dict[str, Any]]  # OpenAI chat messages: {"role", "content", ...}
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool schemas, passed as `tools`
+    meta: dict[str, Any] = field(default_factory=dict)  # source-specific extras (category, ...)
+
+
+@dataclass(slots=True)
+class Quarantined:
+    """A source record that cannot become a Sample; written to quarantine.jsonl and skipped."""
+
+    dataset: str
+    where: str  # stable position key, e.g. "line 17" or "row 3"; unique within a dataset
+    reason: str
+    excerpt: str = ""  # first bytes of the bad record, for the human reading quarantine.jsonl
 
 __all__ = ["Source", "open_source", "BUILTIN_SOURCES"]
 
@@ -60,22 +78,9 @@ BUILTIN_SOURCES = ("sharegpt", "bfcl", "mtbench", "humaneval", "gsm8k", "alpacae
 
 _CHUNK = 1 << 20
 _EXCERPT = 300
-# One JSONL line larger than this is quarantined unread (a file with no newlines, a binary blob):
-# a reader never holds more than this plus one chunk. Override: $SPECOPS_MAX_LINE_BYTES.
+# One JSONL line larger than the dataset's max_line_bytes (default this) is quarantined unread (a
+# file with no newlines, a binary blob): a reader never holds more than that plus one chunk.
 MAX_LINE_BYTES = 256 << 20
-
-
-def max_line_bytes() -> int:
-    raw = os.environ.get("SPECOPS_MAX_LINE_BYTES")
-    if raw is None:
-        return MAX_LINE_BYTES
-    try:
-        v = int(raw)
-    except ValueError:
-        v = 0
-    if v <= 0:
-        raise InputError(f"SPECOPS_MAX_LINE_BYTES: expected a positive number of bytes, got {raw!r}")
-    return v
 
 ID_FIELDS = ("id", "question_id", "task_id", "idx", "conversation_id", "uid", "sample_id", "prompt_id")
 PROMPT_FIELDS = ("prompt", "instruction", "question", "input", "text")
@@ -193,6 +198,7 @@ class _JsonlReader(_Reader):
     def __init__(self, path: Path, prefix: str = ""):
         self.path = path
         self.prefix = prefix
+        self.max_line_bytes = MAX_LINE_BYTES  # open_source sets the dataset's
 
     def count(self) -> int:
         n = 0
@@ -211,13 +217,13 @@ class _JsonlReader(_Reader):
             fh = _open_bytes(self.path)
         except OSError as e:
             raise InputError(f"{self.path}: cannot read: {e}") from e
-        cap = max_line_bytes()
+        cap = self.max_line_bytes
         with fh:
             for lineno, line, had_newline in _split_lines(fh, cap):
                 if isinstance(line, _Oversized):
                     yield _Raw(f"{self.prefix}line {lineno}",
                                error=f"line is {line.size:,} bytes, over the {cap:,}-byte limit "
-                                     "(SPECOPS_MAX_LINE_BYTES): not read",
+                                     "(the dataset's max_line_bytes): not read",
                                text=line.head[:_EXCERPT].decode("utf-8", "replace"))
                     continue
                 if lineno == 1 and line.startswith(codecs.BOM_UTF8):
@@ -1325,6 +1331,9 @@ def open_source(ds: DatasetSection, *, default_system_prompt: str | None = None)
         raise InputError(
             f"dataset {ds.name!r}: unknown source {ds.source!r} (expected 'file' or one of {', '.join(BUILTIN_SOURCES)})"
         )
+    for r in getattr(reader, "_readers", [reader]):
+        if isinstance(r, _JsonlReader):
+            r.max_line_bytes = ds.max_line_bytes
     tools = load_tools_file(ds.tools) if ds.tools else None
     system_prompt = ds.system_prompt if ds.system_prompt is not None else default_system_prompt
     return Source(
