@@ -51,6 +51,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from .runctl import resolve_campaign_arg
 
     camp = resolve_campaign_arg(args.campaign)
+    config = None  # a campaign.toml: judge the done phases against its settings (what a run would use)
+    if args.campaign and args.campaign.endswith(".toml"):
+        from .config import load_config
+
+        config = load_config(args.campaign).to_dict()
     if args.watch:
         import time
 
@@ -58,10 +63,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
         with Live(refresh_per_second=1, screen=False) as live:
             while True:
-                rep = status.collect(camp.root, stall_s=args.stall_s)
+                rep = status.collect(camp.root, stall_s=args.stall_s, config=config)
                 live.update(status.render(rep))
                 time.sleep(args.interval)
-    rep = status.collect(camp.root, stall_s=args.stall_s)
+    rep = status.collect(camp.root, stall_s=args.stall_s, config=config)
     if args.json:
         print(json.dumps(rep.to_json(), indent=1))
     else:

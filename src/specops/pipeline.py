@@ -2,9 +2,14 @@
 
     generate -> build -> extract (skipped in online mode) -> train -> export -> eval (+ report)
 
-- Phase-level resume from the manifest: a `done` phase is skipped, anything else (pending,
-  failed, or `running` left by a dead process) runs again and resumes from its own checkpoint
-  (the generate journal, finished extract shards, the latest training checkpoint).
+- Phase-level resume from the manifest: a `done` phase whose recorded inputs and settings still
+  match (contract.py) is skipped; anything else (pending, failed, or `running` left by a dead
+  process) runs again and resumes from its own checkpoint (the generate journal, finished extract
+  shards, the latest training checkpoint).
+- A done phase that is stale (a setting it reads or an upstream output changed, or its output is
+  missing), the `--from` phase, and every phase after one that ran are redone from scratch: their
+  outputs move under archive/ first (as `specops reset` moves them), never deleted. Each phase
+  that finishes records what it was made from in its manifest entry.
 - Gates: preflight before each phase (GPUs it needs, disk vs the forecast of the phases still to
   run, RAM, model files); the server health tiers and the canary inside generate. `--skip-preflight`
   is recorded in the manifest.
@@ -17,6 +22,7 @@ import logging
 import time
 from typing import Any
 
+from . import contract
 from .campaign import Campaign, RunLock
 from .config import Config
 from .errors import SpecopsError
@@ -69,17 +75,42 @@ def run_all(cfg: Config, *, start: str | None = None, stop: str | None = None, s
             from .preflight import record_skip
 
             record_skip(campaign, "--skip-preflight given to specops run", phases=todo)
+        ran: str | None = None  # the latest phase that ran: everything after it is redone
         for i, phase in enumerate(todo):
-            state = ((campaign.read_manifest() or {}).get("phases", {}).get(phase) or {}).get("state")
-            if state == "done" and not (start == phase):
-                log.info("run: %s already done, skipped", phase)
-                results[phase] = "skipped (done)"
-                continue
+            manifest = campaign.read_manifest() or {}
+            state = ((manifest.get("phases") or {}).get(phase) or {}).get("state")
+            changed = None
+            if ran is not None:
+                why: str | None = f"{ran} ran before it in this run"
+            elif phase == start:
+                why = f"--from {start}"
+            elif state == "done":
+                v = contract.assess(campaign.root, manifest)[phase]
+                why, changed = ("; ".join(v.reasons), v.changed) if v.verdict == "stale" else (None, None)
+                if why is None:
+                    if v.verdict == "unrecorded":
+                        contract.record(campaign, phase)
+                        log.info("run: %s already done (no record of its inputs: taken as current, recorded now), "
+                                 "skipped", phase)
+                    else:
+                        log.info("run: %s already done, inputs and settings unchanged, skipped", phase)
+                    results[phase] = "skipped (done)"
+                    continue
+            else:
+                why = None  # pending, failed or left running: resume
             if not skip_preflight:
                 _gate(cfg, campaign, phase, todo[i:])
+            if why is not None:
+                rep = contract.replace(campaign, phase, why, changed)
+                if rep is not None:
+                    log.info("run: %s is redone (%s); its previous outputs: %s", phase, why,
+                             rep["archived_to"] or "none left to archive")
             t0 = time.time()
             log.info("run: %s ...", phase)
             results[phase] = _run_phase(cfg, campaign, phase, progress=progress)
+            if ((campaign.read_manifest() or {}).get("phases", {}).get(phase) or {}).get("state") == "done":
+                contract.record(campaign, phase)
+            ran = phase
             log.info("run: %s done in %.0fs", phase, time.time() - t0)
     return results
 

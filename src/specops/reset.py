@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+from pathlib import Path
 
 from .campaign import PHASES, Campaign, RunLock
 from .errors import SpecopsError
@@ -33,25 +34,40 @@ def reset(campaign: Campaign, phase: str, *, dataset: str | None = None) -> dict
     if campaign.read_manifest() is None:
         raise SpecopsError(f"reset: no campaign at {campaign.root}")
     with RunLock(campaign, f"reset {phase}"):
-        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        dest = campaign.root / "archive" / f"{phase}{'-' + dataset if dataset else ''}-{stamp}"
-        paths = [f"generate/{dataset}"] if dataset else OUTPUTS[phase]
-        moved = []
-        for rel in paths:
-            src = campaign.root / rel
-            if not src.exists():
-                continue
-            target = dest / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, target)
-            moved.append(rel)
-        if dataset and not moved:
+        if dataset and not (campaign.root / "generate" / dataset).exists():
             raise SpecopsError(f"reset: no generate output for dataset {dataset!r}")
+        stamp, dest, moved = archive_outputs(campaign, f"{phase}{'-' + dataset if dataset else ''}",
+                                             [f"generate/{dataset}"] if dataset else OUTPUTS[phase])
         downstream = list(PHASES[PHASES.index(phase):])
         m = campaign.read_manifest() or {}
         for p in downstream:
-            m.setdefault("phases", {}).setdefault(p, {})["state"] = "pending"
+            entry = m.setdefault("phases", {}).setdefault(p, {})
+            entry["state"] = "pending"
+            entry.pop("made_from", None)  # it described the outputs just set aside (or now out of date)
         m.setdefault("events", []).append({"at": stamp, "kind": "reset", "phase": phase, "dataset": dataset,
                                            "archived_to": str(dest.relative_to(campaign.root)), "moved": moved})
         campaign.write_manifest(m)
     return {"archived_to": str(dest), "moved": moved, "pending": downstream}
+
+
+def archive_outputs(campaign: Campaign, label: str, paths: list[str]) -> tuple[str, Path, list[str]]:
+    """Move each existing `paths` entry (relative to the campaign root) under a fresh
+    `archive/<label>-<UTC timestamp>/`, keeping its relative path. Returns (stamp, dest, moved).
+    The caller holds the campaign lock. A second archive of the same label within one second
+    gets a `.1`, `.2` ... suffix rather than mixing into the first."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dest = campaign.root / "archive" / f"{label}-{stamp}"
+    n = 0
+    while dest.exists():
+        n += 1
+        dest = campaign.root / "archive" / f"{label}-{stamp}.{n}"
+    moved = []
+    for rel in paths:
+        src = campaign.root / rel
+        if not src.exists():
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, target)
+        moved.append(rel)
+    return stamp, dest, moved

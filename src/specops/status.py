@@ -66,9 +66,12 @@ def _fmt_eta(seconds: float | None) -> str:
 
 
 def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat_stale_s: float = 60.0,
-            now: float | None = None, probe_timeout_s: float = 2.0) -> StatusReport:
+            now: float | None = None, probe_timeout_s: float = 2.0,
+            config: dict[str, Any] | None = None) -> StatusReport:
     """`stall_s` None: the campaign's own monitor.stall_s (the value its runner alerts on). A stalled
-    generate run also has each of its servers' /health asked, `probe_timeout_s` each, all at once."""
+    generate run also has each of its servers' /health asked, `probe_timeout_s` each, all at once.
+    `config`: a resolved config dict to judge the done phases against (a campaign.toml given to
+    `status`: the settings the next run would use); default: the campaign's own."""
     camp = Campaign(campaign_dir)
     now = time.time() if now is None else now
     manifest = camp.read_manifest()
@@ -212,6 +215,7 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
                  "forecast_pending_bytes": forecast},
         "gpus": _gpus(),
         "stop_reason": hb.get("stop_reason"),
+        "freshness": _freshness(camp, manifest, config),
         "log_tail": _tail(camp.log_path),
     }
     return StatusReport(str(camp.root), state, problems, data)
@@ -293,6 +297,16 @@ def _forecast_left(manifest: dict[str, Any]) -> int | None:
         return None
 
 
+def _freshness(camp: Campaign, manifest: dict[str, Any], config: dict[str, Any] | None) -> dict[str, Any]:
+    """Per done phase: current, stale (with the reasons) or unrecorded (contract.py)."""
+    try:
+        from .contract import assess
+
+        return {p: v.to_json() for p, v in assess(camp.root, manifest, config).items()}
+    except Exception as e:  # an assessment must never break status
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def _error_rate(datasets: dict[str, Any]) -> float | None:
     errs = sum(sum(d["errors"].values()) for d in datasets.values())
     done = sum(d["done"] for d in datasets.values())
@@ -357,6 +371,12 @@ def render(report: StatusReport):
             said.append(f"/health {probes[ep]['detail']}")
         foot.append(f"\nserver {ep}: {'; '.join(said)}")
     parts.append(foot)
+    for p, v in (d.get("freshness") or {}).items():
+        if isinstance(v, dict) and v.get("verdict") == "stale":
+            parts.append(Text(f"{p}: stale, `specops run` redoes it: {'; '.join(v['reasons'])}", style="yellow"))
+        elif isinstance(v, dict) and v.get("verdict") == "unrecorded":
+            parts.append(Text(f"{p}: done, with no record of its inputs and settings: taken as current "
+                              "(the next `specops run` records them)", style="dim"))
     for p in report.problems:
         parts.append(Text(f"PROBLEM: {p}", style="bold red"))
     if d.get("log_tail"):
