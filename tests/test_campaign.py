@@ -72,6 +72,12 @@ def write_config(tmp_path: Path, name: str = "c.toml", *, datasets: dict[str, st
     return p
 
 
+def with_records(camp: Campaign, name: str = "ds") -> Path:
+    camp.dataset_dir(name).mkdir(parents=True)
+    (camp.dataset_dir(name) / "records.jsonl").write_text('{"id": "q0"}\n')
+    return camp.dataset_dir(name) / "records.jsonl"
+
+
 def parse_utc(s: str) -> dt.datetime:
     t = dt.datetime.fromisoformat(s)
     assert t.utcoffset() == dt.timedelta(0), s
@@ -99,7 +105,9 @@ def test_create_lays_out_the_directory_and_copies_the_resolved_config(tmp_path):
     assert load_config(camp.config_path).to_dict() == cfg.to_dict()
 
     m = json.loads(camp.manifest_path.read_text())
-    assert set(m) == {"specops_version", "created", "config", "phases", "events"}
+    assert set(m) == {"specops_version", "created", "config", "phases", "events", "dataset_sources"}
+    assert m["dataset_sources"] == {"ds": {"source": "file", "path": str(tmp_path / "p.jsonl"), "format": "auto",
+                                           "turns": None, "system_prompt": None, "tools": None}}
     assert m["specops_version"] == specops.__version__
     assert before <= parse_utc(m["created"]) <= dt.datetime.now(dt.timezone.utc)
     assert m["config"] == cfg.to_dict()
@@ -143,8 +151,7 @@ def test_reopening_with_other_settings_records_them_and_keeps_the_history(tmp_pa
 
 def test_adding_a_dataset_is_accepted(tmp_path):
     camp = Campaign.create_or_open(load_config(write_config(tmp_path)))
-    camp.dataset_dir("ds").mkdir(parents=True)
-    (camp.dataset_dir("ds") / "records.jsonl").write_text("{}\n")
+    with_records(camp)
     two = load_config(write_config(tmp_path, "c2.toml", datasets={"ds": "p.jsonl", "more": "q.jsonl"}))
     Campaign.create_or_open(two)
     assert [d["name"] for d in camp.read_manifest()["config"]["datasets"]] == ["ds", "more"]
@@ -153,8 +160,7 @@ def test_adding_a_dataset_is_accepted(tmp_path):
 @pytest.mark.parametrize("key", ["path", "system_prompt", "format"])
 def test_changing_what_made_existing_records_is_refused_and_loses_nothing(tmp_path, key):
     camp = Campaign.create_or_open(load_config(write_config(tmp_path)))
-    camp.dataset_dir("ds").mkdir(parents=True)
-    (camp.dataset_dir("ds") / "records.jsonl").write_text('{"id": "q0"}\n')
+    with_records(camp)
     p = write_config(tmp_path, "c2.toml")
     old, new = {"path": (str(tmp_path / "p.jsonl"), str(tmp_path / "other.jsonl")),
                 "system_prompt": (None, "be brief"), "format": ("auto", "prompt")}[key]
@@ -172,6 +178,57 @@ def test_changing_what_made_existing_records_is_refused_and_loses_nothing(tmp_pa
         f"`specops reset generate --dataset ds`.")
     assert (camp.manifest_path.read_bytes(), camp.config_path.read_bytes()) == before
     assert (camp.dataset_dir("ds") / "records.jsonl").read_text() == '{"id": "q0"}\n'
+
+
+def test_a_dataset_without_records_may_change_its_source(tmp_path):
+    camp = Campaign.create_or_open(load_config(write_config(tmp_path)))
+    Campaign.create_or_open(load_config(write_config(tmp_path, "c2.toml", datasets={"ds": "other.jsonl"})))
+    assert camp.read_manifest()["config"]["datasets"][0]["path"] == str(tmp_path / "other.jsonl")
+    assert camp.read_manifest()["dataset_sources"]["ds"]["path"] == str(tmp_path / "other.jsonl")
+
+
+def test_the_refusal_names_a_reset_that_then_lets_the_change_through(tmp_path):
+    from specops.reset import reset
+
+    camp = Campaign.create_or_open(load_config(write_config(tmp_path)))
+    records = with_records(camp)
+    changed = load_config(write_config(tmp_path, "c2.toml", datasets={"ds": "other.jsonl"}))
+    with pytest.raises(ConfigError, match=r"`specops reset generate --dataset ds`\.$"):
+        Campaign.create_or_open(changed)
+    out = reset(camp, "generate", dataset="ds")
+    assert out["moved"] == ["generate/ds"] and not records.exists()
+    Campaign.create_or_open(changed)
+    assert camp.read_manifest()["config"]["datasets"][0]["path"] == str(tmp_path / "other.jsonl")
+    with_records(camp)  # records of the new source: going back to the old one is refused in turn
+    with pytest.raises(ConfigError, match=r"^datasets 'ds'.path: differs"):
+        Campaign.create_or_open(load_config(write_config(tmp_path)))
+
+
+def test_a_dataset_left_out_for_a_while_keeps_its_source(tmp_path):
+    camp = Campaign.create_or_open(load_config(write_config(tmp_path)))
+    with_records(camp)
+    Campaign.create_or_open(load_config(write_config(tmp_path, "c2.toml", datasets={"more": "q.jsonl"})))
+    assert [d["name"] for d in camp.read_manifest()["config"]["datasets"]] == ["more"]
+    assert set(camp.read_manifest()["dataset_sources"]) == {"ds", "more"}
+    back = load_config(write_config(tmp_path, "c3.toml", datasets={"ds": "other.jsonl"}))
+    with pytest.raises(ConfigError) as e:
+        Campaign.create_or_open(back)
+    assert str(e.value).startswith(
+        f"datasets 'ds'.path: differs from the campaign's recorded config ('{tmp_path / 'p.jsonl'}' -> "
+        f"'{tmp_path / 'other.jsonl'}')")
+    Campaign.create_or_open(load_config(write_config(tmp_path)))  # back with its own source: fine
+
+
+def test_a_manifest_without_recorded_sources_is_checked_against_its_config(tmp_path):
+    camp = Campaign.create_or_open(load_config(write_config(tmp_path)))
+    with_records(camp)
+    m = camp.read_manifest()
+    del m["dataset_sources"]
+    camp.write_manifest(m)
+    with pytest.raises(ConfigError, match=r"^datasets 'ds'.path: differs"):
+        Campaign.create_or_open(load_config(write_config(tmp_path, "c2.toml", datasets={"ds": "other.jsonl"})))
+    Campaign.create_or_open(load_config(write_config(tmp_path)))
+    assert camp.read_manifest()["dataset_sources"]["ds"]["path"] == str(tmp_path / "p.jsonl")
 
 
 # ---------------------------------------------------------------------------- manifest

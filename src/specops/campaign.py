@@ -28,6 +28,8 @@ from .config import Config, dump_toml
 from .errors import CampaignLocked, ConfigError
 
 PHASES = ("generate", "build", "extract", "train", "export", "eval")
+# The dataset keys that decide what its records hold: changing one needs a reset of those records.
+_DATASET_IDENTITY = ("source", "path", "format", "turns", "system_prompt", "tools")
 
 
 def now_iso() -> str:
@@ -159,13 +161,16 @@ class Campaign:
         """Open the config's campaign directory, creating it on first use.
 
         The resolved config is copied in once. A rerun with a different config for the same
-        campaign is refused where it would change what was already generated (datasets' sources),
-        so a resume never mixes two campaigns in one journal.
+        campaign is refused where it would change what was already generated: a dataset whose
+        generate/<name>/ exists keeps the source it was made with, also across a config that left it
+        out for a while, so a resume never mixes two campaigns in one journal. Once
+        `specops reset generate [--dataset NAME]` has archived that directory, the change is taken.
         """
         camp = cls(cfg.campaign_dir())
         camp.root.mkdir(parents=True, exist_ok=True)
         camp.run_dir.mkdir(exist_ok=True)
         resolved = cfg.to_dict()
+        sources = {d["name"]: {k: d.get(k) for k in _DATASET_IDENTITY} for d in resolved.get("datasets", [])}
         manifest = camp.read_manifest()
         if manifest is None:
             atomic_write_bytes(camp.config_path, dump_toml(resolved).encode())
@@ -175,23 +180,29 @@ class Campaign:
                 "config": resolved,
                 "phases": {p: {"state": "pending"} for p in PHASES},
                 "events": [],
+                "dataset_sources": sources,
             }
             camp.write_manifest(manifest)
         else:
-            old = {d["name"]: d for d in manifest.get("config", {}).get("datasets", [])}
-            for d in resolved.get("datasets", []):
-                prev = old.get(d["name"])
-                if prev is None:
+            # Last recorded identity per dataset name, datasets since dropped from the config included.
+            old = dict(manifest.get("dataset_sources") or {})
+            old.update({d["name"]: {k: d.get(k) for k in _DATASET_IDENTITY}
+                        for d in manifest.get("config", {}).get("datasets", [])})
+            for name, now in sources.items():
+                prev = old.get(name)
+                if prev is None or not camp.dataset_dir(name).exists():
                     continue
-                for k in ("source", "path", "format", "turns", "system_prompt", "tools"):
-                    if prev.get(k) != d.get(k):
+                for k in _DATASET_IDENTITY:
+                    if prev.get(k) != now[k]:
                         raise ConfigError(
-                            f"datasets '{d['name']}'.{k}: differs from the campaign's recorded config "
-                            f"({prev.get(k)!r} -> {d.get(k)!r}); the existing records were made with the old "
-                            f"value. Use a new campaign directory or `specops reset generate --dataset {d['name']}`."
+                            f"datasets '{name}'.{k}: differs from the campaign's recorded config "
+                            f"({prev.get(k)!r} -> {now[k]!r}); the existing records were made with the old "
+                            f"value. Use a new campaign directory or `specops reset generate --dataset {name}`."
                         )
-            if manifest.get("config") != resolved:
+            known = {**old, **sources}
+            if manifest.get("config") != resolved or manifest.get("dataset_sources") != known:
                 manifest["config"] = resolved
+                manifest["dataset_sources"] = known
                 atomic_write_bytes(camp.config_path, dump_toml(resolved).encode())
                 camp.write_manifest(manifest)
         return camp
