@@ -175,7 +175,7 @@ def test_changing_what_made_existing_records_is_refused_and_loses_nothing(tmp_pa
     assert str(e.value) == (
         f"datasets 'ds'.{key}: differs from the campaign's recorded config ({old!r} -> {new!r}); the existing "
         f"records were made with the old value. Use a new campaign directory or "
-        f"`specops reset generate --dataset ds`.")
+        f"`specops reset generate {camp.root} --dataset ds`.")
     assert (camp.manifest_path.read_bytes(), camp.config_path.read_bytes()) == before
     assert (camp.dataset_dir("ds") / "records.jsonl").read_text() == '{"id": "q0"}\n'
 
@@ -193,7 +193,7 @@ def test_the_refusal_names_a_reset_that_then_lets_the_change_through(tmp_path):
     camp = Campaign.create_or_open(load_config(write_config(tmp_path)))
     records = with_records(camp)
     changed = load_config(write_config(tmp_path, "c2.toml", datasets={"ds": "other.jsonl"}))
-    with pytest.raises(ConfigError, match=r"`specops reset generate --dataset ds`\.$"):
+    with pytest.raises(ConfigError, match=r" or `specops reset generate \S+/camp --dataset ds`\.$"):
         Campaign.create_or_open(changed)
     out = reset(camp, "generate", dataset="ds")
     assert out["moved"] == ["generate/ds"] and not records.exists()

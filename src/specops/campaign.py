@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import socket
 import time
 from pathlib import Path
@@ -197,7 +198,8 @@ class Campaign:
                         raise ConfigError(
                             f"datasets '{name}'.{k}: differs from the campaign's recorded config "
                             f"({prev.get(k)!r} -> {now[k]!r}); the existing records were made with the old "
-                            f"value. Use a new campaign directory or `specops reset generate --dataset {name}`."
+                            f"value. Use a new campaign directory or "
+                            f"`specops reset generate {shlex.quote(str(camp.root))} --dataset {name}`."
                         )
             known = {**old, **sources}
             if manifest.get("config") != resolved or manifest.get("dataset_sources") != known:
