@@ -327,6 +327,9 @@ def render(report: StatusReport):
     if d.get("heartbeat_age_s") is not None:
         head.append(f"  heartbeat {d['heartbeat_age_s']:.0f}s ago")
     parts: list[Any] = [head]
+    if report.state == "new" and "disk" not in d:  # no manifest: nothing else was collected
+        parts.extend(Text(f"PROBLEM: {p}", style="bold red") for p in report.problems)
+        return Group(*parts)
     parts.extend(_render_generate(d))
     phase = Text()
     tr = d.get("train")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import math
+import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -682,7 +683,42 @@ async def wait_until_healthy(url: str, *, expected_model: str, api_key: str | No
             await asyncio.sleep(min(poll_s, left))
 
 
+def run_interruptible(coro: Any) -> Any:
+    """asyncio.run(coro), with SIGTERM ending it the way Ctrl-C does: the main task is cancelled,
+    every pending request unwinds inside the loop, and KeyboardInterrupt is raised once the loop
+    has closed. A handler that raised KeyboardInterrupt from inside the loop instead would leave
+    tasks whose exceptions nobody retrieves (tracebacks on stderr after the exit)."""
+    terminated = False
+
+    async def main() -> Any:
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+
+        def on_term() -> None:
+            nonlocal terminated
+            terminated = True
+            task.cancel()
+
+        previous = signal.getsignal(signal.SIGTERM)
+        try:
+            loop.add_signal_handler(signal.SIGTERM, on_term)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            previous = None
+        try:
+            return await coro
+        finally:
+            if previous is not None:
+                loop.remove_signal_handler(signal.SIGTERM)
+                signal.signal(signal.SIGTERM, previous)
+
+    try:
+        return asyncio.run(main())
+    except asyncio.CancelledError:
+        if terminated:
+            raise KeyboardInterrupt from None
+        raise
+
+
 def check_endpoint_sync(url: str, **kwargs: Any) -> HealthReport:
     """`check_endpoint` on a fresh event loop, for the CLI (no `session`: it belongs to a loop)."""
     assert "session" not in kwargs, "a session is bound to its event loop"
-    return asyncio.run(check_endpoint(url, **kwargs))
+    return run_interruptible(check_endpoint(url, **kwargs))

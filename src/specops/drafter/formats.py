@@ -79,8 +79,11 @@ class _Checkpoint:
         self._loaded: dict[str, torch.Tensor] = {}  # .bin checkpoints (third-party EAGLE dirs)
         for path in self._files(directory):
             if path.suffix == ".safetensors":
+                size = path.stat().st_size
                 with open(path, "rb") as f:
                     n = int.from_bytes(f.read(8), "little")
+                    if n > size - 8:  # a corrupt size must not become a huge read
+                        raise ValueError(f"{path}: safetensors header of {n:,} bytes in a {size:,}-byte file")
                     header = json.loads(f.read(n))
                 header.pop("__metadata__", None)
                 for name, info in header.items():
