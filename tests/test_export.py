@@ -12,7 +12,10 @@ Loader facts are hard-coded from sources read on 2026-12-02:
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -167,11 +170,21 @@ def state_dict(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, 
     }
 
 
+_TARGET_DIR = Path(tempfile.mkdtemp(prefix="specops-debug-target-"))
+atexit.register(shutil.rmtree, _TARGET_DIR, True)
+
+
+def target_dir() -> Path:
+    """A directory holding the debug target's config.json: what a verifier path must point at."""
+    (_TARGET_DIR / "config.json").write_text(json.dumps(TARGET))
+    return _TARGET_DIR
+
+
 def export(kind, out, sd=None, cfg=None, **kw):
     fn = export_vllm if kind == "vllm" else export_speculators
     kw.setdefault("target_config", TARGET)
     kw.setdefault("aux_layer_ids", AUX)
-    kw.setdefault("target_name_or_path", "/models/debug-target")
+    kw.setdefault("target_name_or_path", str(target_dir()))
     return fn(state_dict() if sd is None else sd, drafter_config() if cfg is None else cfg, out, **kw)
 
 
@@ -395,7 +408,7 @@ def test_speculators_export_round_trips(tmp_path):
     assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
     assert sc["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 5,
                                        "verifier_accept_k": 1, "accept_tolerance": 0.0}]
-    assert sc["verifier"] == {"name_or_path": "/models/debug-target", "architectures": ["LlamaForCausalLM"]}
+    assert sc["verifier"] == {"name_or_path": str(target_dir()), "architectures": ["LlamaForCausalLM"]}
     tlc = config["transformer_layer_config"]
     assert tlc["model_type"] == "llama" and tlc["vocab_size"] == TV and tlc["num_hidden_layers"] == 1
     assert config["draft_vocab_size"] == DV and config["target_hidden_size"] == H
@@ -568,3 +581,49 @@ def test_check_reports_missing_files(tmp_path):
     assert names(check_export(tmp_path)) == {"weights.missing"}
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json")
     assert names(check_export(tmp_path)) == {"weights.unreadable"}
+
+
+@pytest.mark.parametrize("name, status", [
+    ("smollm2", "nogo"),  # a served name: `vllm serve` fails, "Invalid repository ID or local directory"
+    ("kimi-k2", "nogo"),
+    ("", "nogo"),
+    ("/nowhere/model", "warn"),  # a path, just not on this machine
+    ("org/model", "warn"),  # a repository id: needs the hub
+])
+def test_check_export_refuses_a_verifier_a_server_cannot_load(tmp_path, name, status):
+    d = export("speculators", tmp_path / "s")
+    config = json.loads((d / "config.json").read_text())
+    config["speculators_config"]["verifier"]["name_or_path"] = name
+    (d / "config.json").write_text(json.dumps(config))
+    report = check_export(d, target_config=TARGET)
+    found = [p for p in report.problems if p.name == "config.verifier"]
+    assert [p.status for p in found] == [status], report.render()
+    assert report.ok == (status != "nogo")
+
+
+def test_run_export_writes_the_model_directory_as_the_verifier(tmp_path):
+    """`served_name` is what clients ask the server for; the verifier is where a server loads it from."""
+    from specops.campaign import Campaign
+    from specops.config import config_from_dict
+    from specops.drafter.checkpoint import save_checkpoint
+    from specops.drafter.export import run_export
+    from specops.drafter.optim import build_optimizer
+
+    from specops.drafter import model
+
+    dcfg = model.DrafterConfig.debug(aux_layer_ids=AUX, target_num_hidden_layers=L)
+    model_dir = tmp_path / "target"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(dict(TARGET, hidden_size=dcfg.target_hidden_size,
+                                                           vocab_size=dcfg.target_vocab_size)))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    cfg = config_from_dict({"campaign": {"dir": str(tmp_path / "camp")}, "target": {"model": str(model_dir),
+                            "served_name": "debug"}, "datasets": [{"name": "d", "path": str(tmp_path / "p.jsonl")}]})
+    camp = Campaign.create_or_open(cfg)
+    drafter = model.Eagle3Drafter(dcfg)
+    opt, sched = build_optimizer(drafter, cfg.train, fused=False, total_steps=1)
+    save_checkpoint(camp.root / "drafter", 1, drafter, opt, sched, {}, keep=1)
+    run_export(cfg, camp)
+    spec = json.loads((camp.root / "drafter" / "export" / "speculators" / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == str(model_dir)
+    assert check_export(camp.root / "drafter" / "export" / "speculators").ok

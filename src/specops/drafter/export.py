@@ -809,6 +809,26 @@ def _check_vllm_config(config: Mapping[str, Any]) -> list[CheckResult]:
     return out
 
 
+def _check_verifier_path(name: Any) -> list[CheckResult]:
+    """`vllm serve <speculators dir>` loads the verifier from speculators_config.verifier.name_or_path:
+    it must be a model directory there (or a repository id, which needs a hub this project never
+    uses); a served name such as "smollm2" fails with "Invalid repository ID or local directory"."""
+    if not isinstance(name, str) or not name:
+        return [_nogo("config.verifier", f"speculators_config.verifier.name_or_path {name!r} is not a path")]
+    path = Path(name)
+    if (path / "config.json").is_file():
+        return []
+    if path.is_absolute() or path.exists():
+        return [_warn("config.verifier", f"speculators_config.verifier.name_or_path {name!r} is not a model "
+                      "directory on this machine: `vllm serve` of this export loads the verifier from there")]
+    if name.count("/") == 1 and all(name.split("/")):
+        return [_warn("config.verifier", f"speculators_config.verifier.name_or_path {name!r} is a repository id, "
+                      "not a local directory: serving it needs the model hub")]
+    return [_nogo("config.verifier", f"speculators_config.verifier.name_or_path {name!r} is neither a model "
+                  "directory nor a repository id: `vllm serve` of this export fails (\"Invalid repository ID "
+                  "or local directory\"); export with the target's model directory")]
+
+
 def _check_speculators_config(config: Mapping[str, Any]) -> list[CheckResult]:
     """The structure vLLM's SpeculatorsConfig.validate_speculators_config and speculators' pydantic
     models require."""
@@ -838,6 +858,7 @@ def _check_speculators_config(config: Mapping[str, Any]) -> list[CheckResult]:
                              f"{sc.get('default_proposal_method')!r} is not one of {types}"))
         if not isinstance(k, int) or k < 1:
             out.append(_nogo("config.speculators_config", f"speculative_tokens {k!r} must be an int >= 1"))
+        out += _check_verifier_path(verifier["name_or_path"])
     except (KeyError, IndexError, TypeError) as e:
         out.append(_nogo("config.speculators_config", "speculators_config needs algorithm, proposal_methods "
                          f"[{{proposal_type, speculative_tokens}}], default_proposal_method, verifier "
@@ -868,8 +889,10 @@ def run_export(cfg, campaign, *, checkpoint: str | Path | None = None, formats: 
     try:
         for fmt in formats:
             dest = campaign.root / "drafter" / "export" / fmt
+            # The directory a server can load the target from (the speculators verifier), never a
+            # served name: `vllm serve <speculators export>` reads it.
             kw = dict(target_config=target_config, aux_layer_ids=list(dcfg["aux_layer_ids"]),
-                      target_name_or_path=str(cfg.target.served_name or cfg.target.model))
+                      target_name_or_path=str(model_dir))
             if fmt == "vllm":
                 path = export_vllm(drafter.state_dict(), dcfg, dest, **kw)
             elif fmt == "speculators":
