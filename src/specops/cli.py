@@ -282,6 +282,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"run detached: pid {pid}\n  campaign: {camp.root}\n  follow:   specops status {camp.root} --watch"
               f"\n  stop:     specops stop {camp.root}")
         return 0
+    if args.no_progress:  # every phase, and the processes they start (torchrun ranks), logs plain lines
+        import os
+
+        os.environ["SPECOPS_PROGRESS"] = "plain"
     results = run_all(cfg, start=args.from_phase, stop=args.to_phase, skip_preflight=args.skip_preflight,
                       progress=False if args.no_progress else None)
     print(json.dumps(results, indent=1, default=str))
@@ -373,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--from", dest="from_phase", help="first phase (generate build extract train export eval)")
     r.add_argument("--to", dest="to_phase", help="last phase")
     r.add_argument("--skip-preflight", action="store_true", help="no pre-flight gates (recorded in the manifest)")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-progress", action="store_true", help="plain log lines instead of progress bars")
     r.add_argument("--detach", action="store_true", help="run in the background (own session)")
     r.set_defaults(func=_cmd_run)
 

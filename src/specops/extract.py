@@ -95,6 +95,7 @@ from .features import (
     to_storage,
 )
 from .models import resolve_dtype, resolve_model_dir
+from .progress import ROUTINE, phase_progress
 from .target import default_aux_layer_ids, read_text_config
 from .target.inprocess import TargetModel, compute_features, load_target
 
@@ -813,7 +814,7 @@ def _log_finished(split: str, dones: list[dict[str, Any]]) -> list[dict[str, Any
         log.info(
             "%s %s: %d samples, %d tokens, %.0f tokens/s, padding %.1f%%, finalized in %.1fs",
             split, d["name"], d["n_samples"], d["n_tokens"], d["n_tokens"] / max(d["seconds"], 1e-9),
-            100 * (1 - d["n_tokens"] / max(d["padded_tokens"], 1)), d["finalize_seconds"],
+            100 * (1 - d["n_tokens"] / max(d["padded_tokens"], 1)), d["finalize_seconds"], extra=ROUTINE,
         )  # fmt: skip
     return dones
 
@@ -940,8 +941,15 @@ def run_extract(
         pipe = (_Pipeline(target.device, x.token_budget, x.batch_window, writeback=x.eager_writeback)
                 if target is not None else None)
         beats = _Heartbeat(campaign, splits) if rank == 0 else None
+
+        def plan_done() -> int:  # tokens in every rank's finished shards (their .done sidecars); rank 0
+            return sum(v["tokens_done"] for v in beats.progress().values()) if beats is not None else 0
+
+        bar = phase_progress("extract", sum(s.n_tokens for sp in splits for s in sp.shards), "tok", logger=log,
+                             done=plan_done(), enabled=beats is not None)
         if beats is not None:
             beats.start()
+        bar.start()
         ok = False
         try:
             for sp in splits:
@@ -955,8 +963,10 @@ def run_extract(
                             _extract_window(pipe, target, sp, window, write, layer_ids, x.dtype, x.token_budget,
                                             offsets)  # fmt: skip
                             dones += _log_finished(sp.name, pipe.take_done())
+                            bar.update(plan_done())
                     if pipe is not None:  # every shard of this rank finished before the barrier/index
                         dones += _log_finished(sp.name, pipe.join())
+                        bar.update(plan_done())
                 except BaseException:
                     if pipe is not None:
                         pipe.abort()  # let the writer and finalizer end; then re-raise (KeyboardInterrupt too)
@@ -988,6 +998,7 @@ def run_extract(
         finally:
             if beats is not None:
                 beats.stop("done" if ok else "stopped")
+            bar.stop(failed=not ok)
             if pipe is not None:
                 pipe.shutdown()
         barrier()

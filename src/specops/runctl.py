@@ -2,7 +2,8 @@
 
 `--detach` re-executes the same specops command in a new process session (setsid), so closing the
 terminal (SIGHUP to the launching process group) does not reach it; stdin is /dev/null and
-stdout/stderr go to run/detached.out. The parent returns once the child holds the campaign lock
+stdout/stderr go to run/detached.out, and SPECOPS_PROGRESS=plain keeps every phase to plain progress
+lines there (progress.py). The parent returns once the child holds the campaign lock
 (it has passed config and input validation) or has exited with an error, which is then shown.
 `stop` signals the lock holder found through the pid file and the flock, never a process-name grep.
 """
@@ -28,7 +29,7 @@ def spawn_detached(argv: list[str], campaign: Campaign, *, wait_s: float = 120.0
         proc = subprocess.Popen(
             [sys.executable, "-m", "specops", *argv],
             stdin=devnull, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True, close_fds=True,
+            start_new_session=True, close_fds=True, env={**os.environ, "SPECOPS_PROGRESS": "plain"},
         )
     deadline = time.time() + wait_s
     while time.time() < deadline:

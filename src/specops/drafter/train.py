@@ -54,6 +54,7 @@ from ..campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json
 from ..errors import ConfigError, InputError, Interrupted
 from ..features import FeatureReader
 from ..measures import simulated_tau
+from ..progress import ROUTINE, phase_progress
 from .checkpoint import checkpoints_dir, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from .graphs import GraphedMicroStep
 from .optim import build_optimizer
@@ -1145,6 +1146,8 @@ class _Trainer:
         with _StopFlag() as stop, contextlib.ExitStack() as stack:
             if prefetch is not None:
                 stack.callback(prefetch.close)
+            bar = stack.enter_context(phase_progress("train", self.total_steps, "steps", logger=log, done=step,
+                                                     enabled=rank0))
             while step < stop_at:
                 batches = self.epoch_batches(epoch)
                 first = micro_in_epoch
@@ -1199,6 +1202,7 @@ class _Trainer:
 
                 if rank0:
                     self.maybe_heartbeat(step, tokens_seen)
+                    bar.update(step)
                 if step % tc.log_every == 0 or step == stop_at:
                     w = dist.all_sum(window.clone()).cpu().tolist()
                     dt = max(time.time() - win_t0, 1e-9)
@@ -1214,7 +1218,8 @@ class _Trainer:
                     if rank0:
                         self.write_metrics(row)
                         log.info("step %d/%d loss %.4f acc0 %.3f lr %.2e %.0f tok/s", step, self.total_steps,
-                                 row["loss"], row["acc"][0], lr, row["tokens_per_s"])
+                                 row["loss"], row["acc"][0], lr, row["tokens_per_s"], extra=ROUTINE)
+                        bar.update(loss=row["loss"], tok_s=row["tokens_per_s"])
                     window.zero_()
                     win_steps, win_t0 = 0, time.time()
 
@@ -1222,6 +1227,7 @@ class _Trainer:
                     val = self.evaluate()
                     if val is not None and rank0:
                         self.val_for_status = {"step": step, **{k: val[k] for k in ("tau", "tau_head", "head_tokens")}}
+                        bar.update(tau=val["tau"])
                         self.write_metrics({"step": step, "split": "val", **val, "time": now_iso()})
                         log.info("val step %d: loss %.4f tau %.3f acc %s; first %d tokens of each turn: tau %.3f",
                                  step, val["loss"], val["tau"], " ".join(f"{a:.3f}" for a in val["acc"]),

@@ -57,6 +57,7 @@ from ..campaign import Campaign, RunLock, atomic_write_json, now_iso
 from ..config import Config, DatasetSection, parse_eval_dataset
 from ..drafter.model import Eagle3Drafter
 from ..errors import ConfigError, EvalWorkerFailed, InputError, Interrupted, SpecopsError
+from ..progress import ROUTINE, current, phase_progress
 from .loop import SpecResult, finish_tokens, speculative_generate, target_generate
 from .report import verdict
 
@@ -355,7 +356,7 @@ def run_eval(cfg: Config, campaign: Campaign, *, drafter_dir: str | os.PathLike[
     dpath = Path(drafter_dir or ec.drafter or _latest_drafter(campaign))
     out_dir = campaign.root / "eval"
     lockctx = RunLock(campaign, "eval") if lock else contextlib.nullcontext()
-    with lockctx:
+    with lockctx, phase_progress("eval", None, "turns", logger=log):  # the total once _run has the items
         campaign.set_phase("eval", "running", pid=os.getpid(), drafter=str(dpath), workers=ec.workers,
                            worker_pids=None)
         try:
@@ -530,14 +531,18 @@ class _Evaluator:
 
 
 def _log_rows(rows: list[dict[str, Any]]) -> None:
+    bar = current("eval")
     for r in rows:
         sj, bj = r["spec"], r["baseline"]
+        bar.tally("tau", sum(a + 1 for a in sj["accepted"]), len(sj["accepted"]))  # pooled, as summarize does
+        bar.tally("tok_s", sj["new_tokens"], sj["wall_s"])
+        bar.advance()
         if bj is None:
             log.info("%s turn %d: %d tokens, tau %.2f, %.1f tok/s", r["id"], r["turn"], len(sj["tokens"]),
-                     sj["tau"] or 0.0, sj["tokens_per_s"] or 0.0)
+                     sj["tau"] or 0.0, sj["tokens_per_s"] or 0.0, extra=ROUTINE)
             continue
         log.info("%s turn %d: %d tokens, tau %.2f, %.1f vs %.1f tok/s", r["id"], r["turn"], len(sj["tokens"]),
-                 sj["tau"] or 0.0, sj["tokens_per_s"] or 0.0, bj["tokens_per_s"] or 0.0)
+                 sj["tau"] or 0.0, sj["tokens_per_s"] or 0.0, bj["tokens_per_s"] or 0.0, extra=ROUTINE)
 
 
 def _run(cfg: Config, evals: list[DatasetSection], sources: dict[str, Any], seen: dict[str, dict[str, str]],
@@ -549,6 +554,7 @@ def _run(cfg: Config, evals: list[DatasetSection], sources: dict[str, Any], seen
     ec = cfg.eval
     t_phase = time.time()
     items, quarantined = _work_items(evals, sources, seen)
+    current("eval").update(total=sum(m.get("role") == "user" for it in items for m in it["messages"]))
     k, T = ec.k, ec.temperature
     workers = min(ec.workers, len(items))  # never a worker without a conversation
     batched = None

@@ -31,6 +31,7 @@ from typing import Any, Callable
 from ..campaign import Campaign, atomic_write_json, now_iso
 from ..config import Config, DatasetSection
 from ..errors import ConfigError, Interrupted, SpecopsError
+from ..progress import ROUTINE, phase_progress
 from .journal import DiskFull, Journal
 from ..sources import Quarantined, Sample, open_source
 from .types import (
@@ -447,7 +448,7 @@ class Runner:
     # ---------------------------------------------------------------- heartbeat and stats
     def _advance(self, run: DatasetRun) -> None:
         if self._progress is not None:
-            self._progress.update(self._ptasks[run.ds.name], completed=self._settled(run))
+            self._progress.update(sum(self._settled(r) for r in self.runs.values()))
 
     @staticmethod
     def _settled(run: DatasetRun) -> int:
@@ -538,17 +539,18 @@ class Runner:
             except OSError as e:
                 log.warning("heartbeat write failed: %s", e)
                 continue
-            if self._progress is None and time.monotonic() - last_log >= 30:
+            rate = hb["window"]["tokens_per_s"]
+            if self._progress is not None:
+                self._progress.update(tok_s=rate)
+            if time.monotonic() - last_log >= 30:
                 last_log = time.monotonic()
                 parts = [f"{n} {d['done']}/{d['total']}" for n, d in hb["datasets"].items()]
-                rate = hb["window"]["tokens_per_s"]
-                log.info("progress: %s; %s tok/s", ", ".join(parts), f"{rate:.0f}" if rate else "-")
+                log.info("progress: %s; %s tok/s", ", ".join(parts), f"{rate:.0f}" if rate else "-", extra=ROUTINE)
 
     # ---------------------------------------------------------------- main
     async def run(self) -> GenerateSummary:
         self._sources: dict[str, Any] = {}
         self._progress = None
-        self._ptasks: dict[str, Any] = {}
         self._open_datasets()
         loop = asyncio.get_running_loop()
 
@@ -679,12 +681,9 @@ class Runner:
         return runner
 
     def _start_progress(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self._progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeRemainingColumn(), transient=False,
-        )
-        for name, r in self.runs.items():
-            self._ptasks[name] = self._progress.add_task(name, total=r.total, completed=self._settled(r))
-        self._progress.start()
+        """The bar over samples settled (done, failed or quarantined) of every dataset's total;
+        _heartbeat_loop's "progress:" line (per-dataset counts) is the periodic plain line."""
+        self._progress = phase_progress(
+            "generate", sum(r.total for r in self.runs.values()), "samples", logger=log, every_s=None,
+            done=sum(self._settled(r) for r in self.runs.values()),
+        ).start()
