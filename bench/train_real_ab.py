@@ -1,15 +1,16 @@
 r"""Benchmark `train` forms on REAL features: one short `specops train` per arm on an existing campaign.
 
 A trainer form can run at full speed on the synthetic features of bench/train_gpu.py and far slower
-on a real campaign, whose batches take many more shapes (recompiles, per-shape plans;
-bench/results/h200-2026-12-03f/diagnosis.txt), so trainer changes are measured here on the real
-thing. Each arm trains in its own campaign dir whose build/ and features/ are links to the given
-campaign's (nothing copied, nothing of the original touched), with the arm's train.* overrides
-written into its config (KEY=VALUE, e.g. fused_loss=on compile_layer=off; VALUE is read as TOML --
-true, 4096 -- or else taken as a string), for --steps optimizer steps, logging every --log-every
-steps; the rate is the steady one (windows after the first, as the quality run reads it:
-bench/quality/speculators_train.py `specops_rate`). An arm past --timeout is killed and its rate is
-read from the windows it logged. --recompiles adds TORCH_LOGS=recompiles and counts them.
+on a real campaign, whose batches take many more shapes (recompiles, per-shape plans: a form can run
+~60x slower on real SmolLM2 features than on synthetic ones; docs/results.md), so trainer changes
+are measured here on the real thing. Each arm trains in its own campaign dir whose build/ and
+features/ are links to the given campaign's (nothing copied, nothing of the original touched), with
+the arm's train.* overrides written into its config (KEY=VALUE, e.g. fused_loss=on
+compile_layer=off; VALUE is read as TOML -- true, 4096 -- or else taken as a string), for --steps
+optimizer steps, logging every --log-every steps; the rate is the steady one (windows after the
+first, as the quality run reads it: bench/quality/speculators_train.py `specops_rate`). An arm past
+--timeout is killed and its rate is read from the windows it logged. --recompiles adds
+TORCH_LOGS=recompiles and counts them.
 
     python bench/train_real_ab.py CONFIG.toml --out ab.json [--steps 60] [--log-every 5] [--timeout 150] \
         --arm before fused_loss=off compile_layer=off \

@@ -1,8 +1,8 @@
 """Host work of one training-time-test unroll, on the CPU: aten ops dispatched (forward, backward)
 and wall time, for the debug drafter on the packed test batch (tests/test_train.py).
 
-On the H200 a SmolLM2-sized step at 8,192 tokens is bound by its per-step work (session 8: 90 ms
-per step against 115 ms at 16,384 tokens), and each dispatched op that computes is at least one
+On the H200 a SmolLM2-sized step at 8,192 tokens is bound by its per-step work (eager: ~90 ms
+per step against ~115 ms at 16,384 tokens), and each dispatched op that computes is at least one
 kernel launch there, so the op count is the CPU-side proxy for that overhead; the wall time is
 reported beside it (min and median of --iters after --warmup, one thread).
 

@@ -1,6 +1,6 @@
 """EAGLE-3 export: round trips, refusals, loader key sets, layer-id conventions, check_export.
 
-Loader facts are hard-coded from sources read on 2026-12-02:
+Loader facts are hard-coded from the loader sources at the commits named here:
   vLLM     vllm/model_executor/models/llama_eagle3.py @ 00bd1493b3e82d6c13c68ee8a0e1c5a96707e190
            vllm/transformers_utils/configs/speculators/{base,algos}.py @ 94699746757f / cfb173ab8e1b
            vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @ da84445036cc

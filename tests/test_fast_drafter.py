@@ -188,8 +188,8 @@ def test_drafter_step_bench_runs_and_checks_drafts(tmp_path):
 
 def test_greedy_chain_makes_no_host_sync():
     """The chain a CUDA graph captures must not read a device value on the host: no `.item()`
-    (aten._local_scalar_dense) anywhere in it. Session 6's H200 run found one (d2t indexed with a
-    0-d tensor is a select on a Python int), which made every capture fail and fall back to eager."""
+    (aten._local_scalar_dense) anywhere in it. One such read (d2t indexed with a 0-d tensor is a
+    select on a Python int) makes every capture fail and fall back to eager."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Record(TorchDispatchMode):

@@ -49,7 +49,7 @@ def test_every_scale_gives_valid_variants(quality):
             assert set(v) - {"name"} <= quality.SWEEP_KEYS, (name, v)
             assert isinstance(v["lr"], float), (name, v)  # the winner's lr is reported, whoever wins
     h200 = quality.SCALES["h200"]
-    # the anchor at its own default tokens per step; our main recipe at 2,048 (session 11's choice on val)
+    # the anchor at its own default tokens per step; our main recipe at 2,048 (the best on val of the sweep)
     assert h200["anchor_total_seq_len"] == 8192 and h200["batch_tokens"] == 2048
     assert quality.anchor_seq_len(h200) == 8192
 
@@ -97,7 +97,8 @@ def test_the_training_fallback_is_recorded_and_valid(quality, tmp_path):
 
 
 def test_a_variant_without_its_own_lr_carries_the_main_one(quality):
-    """Session 10's lease: the winning variant set no lr and the sweep stopped on KeyError 'lr'."""
+    """A variant that sets no lr takes the main run's, so a winner always has one to report (no
+    KeyError 'lr')."""
     got = quality.sweep_variants({"lr": 1e-3, "sweep": ({"freeze_lm_head": True},)})
     assert got == [{"lr": 1e-3, "freeze_lm_head": True, "name": "lr-0.001_freeze_lm_head-True"}]
 
@@ -116,13 +117,13 @@ def test_variant_entries_equal_to_the_main_run_change_nothing(quality):
 
 
 def test_h200_main_run_is_the_anchors_recipe_and_the_variants_probe_it(quality):
-    """Session 10: speculators' recipe (Muon, frozen lm_head, linear schedule to 0, clip 1.0, weight
-    decay 0.1) in our trainer beat our earlier recipe on val (simulated tau 4.07 vs 2.60), so it is the
-    main run; session 11's sweep chose 2,048 tokens/step for it. The variants try the loss without
-    greedy loops, twice the lr and the
-    loss on the prompt on top of it, half the tokens per step again, the anchor's 8,192 tokens/step,
-    each half of the recipe alone (the frozen head with AdamW + cosine, Muon with a trained head),
-    equal TTT step weights and row packing. Every variant writes a train section the trainer accepts."""
+    """speculators' recipe (Muon, frozen lm_head, linear schedule to 0, clip 1.0, weight decay 0.1)
+    in our trainer scores above AdamW + cosine on val (simulated tau 4.07 vs 2.60), so it is the main
+    run, at 2,048 tokens/step, the best on val of the tokens-per-step sweep (docs/results.md). The
+    variants try the loss without greedy loops, twice the lr and the loss on the prompt on top of it,
+    half the tokens per step again, the anchor's 8,192 tokens/step, each half of the recipe alone
+    (the frozen head with AdamW + cosine, Muon with a trained head), equal TTT step weights and row
+    packing. Every variant writes a train section the trainer accepts."""
     from specops.config import TrainSection
 
     h200 = {"train": {}, **quality.SCALES["h200"]}
@@ -149,8 +150,9 @@ def test_h200_main_run_is_the_anchors_recipe_and_the_variants_probe_it(quality):
 
 
 def test_collect_reports_the_rate_at_the_anchors_tokens_per_step(quality, tmp_path):
-    """The session 11 lease's own result files: the chosen drafter trained at 2,048 tokens per step,
-    the anchor at 8,192; the like-for-like ratio is the 8,192 variant's rate over the anchor's."""
+    """Real result files of the quality run (its lr-sweep.json and anchor.json, read below): the
+    chosen drafter trained at 2,048 tokens per step, the anchor at 8,192; the like-for-like ratio is
+    the 8,192 variant's rate over the anchor's."""
     res = REPO / "bench" / "results" / "h200-2026-12-04c" / "results"
     (tmp_path / "results").mkdir()
     for name in ("lr-sweep", "anchor"):

@@ -183,7 +183,7 @@ def test_training_curves_simulate_tau_from_acc(tmp_path):
     assert len(c["train_loss"]) == 30 and len(c["val_loss"]) == 3
     assert c["train_tau"][0] == (1, pytest.approx(1 + 0.5 + 0.25 + 0.125))  # 1 + sum_k prod_{i<=k} acc_i
     assert c["val_tau"][-1] == (30, 2.5)  # val rows carry tau: taken as written
-    # tau_head from the rows that have it (trainers before session 11 wrote none)
+    # tau_head from the rows that have it (a val row without one is left out of that curve)
     assert c["val_head_tau"] == [(20, pytest.approx(1.2 + 20 / 30)), (30, pytest.approx(2.2))]
 
 

@@ -35,7 +35,7 @@ def test_lr_schedules_warm_up_then_decay_to_the_floor():
 
 
 def test_defaults_are_the_speculators_recipe():
-    """Session 10: this recipe beat AdamW on every weight + cosine on the real campaign's val split
+    """This recipe scores above AdamW on every weight + cosine on the real campaign's val split
     (simulated tau 4.07 vs 2.60), so a config that says nothing gets it; each part can be set back."""
     from specops.config import TrainSection
 

@@ -25,7 +25,7 @@ if [ ! -f "$W/results/gpu-tests.log" ]; then
   (cd "$repo" && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fast_target.py tests/test_fast_drafter.py tests/test_batched_eval.py tests/test_train.py tests/test_train_graphs.py tests/test_extract_write.py) > "$W/results/gpu-tests.log" 2>&1 &
   tests_pid=$!
 fi
-# Where speculators' trainer spends its start-up (session 4: no step in 3.5 min): py-spy dumps of
+# Where speculators' trainer spends its start-up (its first step can take over 3.5 min): py-spy dumps of
 # its main process every 40 s while one runs (the warm-up's and the real run's), at most 16.
 spy=/tmp/specsite/bin/py-spy
 if [ -x "$spy" ]; then

@@ -51,7 +51,7 @@ from specops.config import EvalSection, dump_toml, load_config  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
-# What the speculators trainer does besides its lr and batch (session 9's reading of its code: Muon on
+# What the speculators trainer does besides its lr and batch (from its training code: Muon on
 # the layer's matrices, a frozen lm_head, linear decay to 0 after ~1 % warm-up, clip 1.0, weight decay
 # 0.1 on the matrices), as train.* overrides of ours; a sweep variant adds its warm-up steps.
 SPECULATORS_RECIPE = {"optimizer": "muon", "freeze_lm_head": True, "lr_schedule": "linear", "min_lr_ratio": 0.0,
@@ -60,45 +60,34 @@ SPECULATORS_RECIPE = {"optimizer": "muon", "freeze_lm_head": True, "lr_schedule"
 # Per scale: how much of everything. h200 is the real experiment; smoke checks the plumbing on a CPU.
 SCALES: dict[str, dict[str, Any]] = {
     "h200": dict(
-        # 7,800 ShareGPT + 3,641 BFCL prompts: session 6 got 11,283 samples, 10,501 after the build's
-        # dedupe (>= 10K). 2 epochs for both trainers (the same budget) and one extra lr: session 6
-        # ran all of it, the anchor and both drafters' full-set evaluations included, in one
-        # 30-minute lease (experiment 20 min) with lr 5e-4 and lr_sweep (1e-3,), and val chose 1e-3
-        # (simulated tau 1.962 vs 1.745); session 8 swept lr and tokens per step (below).
+        # 7,800 ShareGPT + 3,641 BFCL prompts give 11,283 samples, 10,501 after the build's dedupe
+        # (>= 10K; generation is greedy, so the same prompts give the same samples). 2 epochs for both
+        # trainers: the same budget.
         sharegpt=7800, bfcl=None, max_tokens=512, batch_size=512, concurrency=1024, dtype="bfloat16",
         max_model_len=2048, draft_vocab=32000, epochs=2,
         # our recipe: chosen on the val split among the main run and these variants (phase_lr_sweep:
         # same build, features, epochs and seed; each alone on the device, capped in time).
-        # Session 8: lr 1.5e-3 at 8,192 tokens/step won (2.257). Session 9 (train.cuda_graphs now on
-        # by default on CUDA, 1.20x): lr 1e-3 at 4,096 tokens/step with graphs won (2.631), but its
-        # measured tau was 0.959x speculators'. Reading speculators' trainer (docs/results.md,
-        # session 9) left Muon on the layer's matrices and a frozen lm_head as the real differences
-        # (also a linear schedule to 0, clip 1.0, weight decay 0.1). Session 10, the same records and
-        # 4,096 tokens/step: that recipe in our trainer reached val simulated tau 4.072 against 2.604
-        # (acc at step 0: 0.827 vs 0.672; val loss 6.19 vs 10.25). So it is the main recipe now
-        # (`train` below, warm-up 30 as ~1 % of 2,918 steps), and the variants, in order: twice the
-        # steps (2,048 tokens/step), twice the lr, the loss on the prompt's tokens too
+        # The main run is speculators' recipe (SPECULATORS_RECIPE) in our trainer: on these records at
+        # 4,096 tokens/step it reaches val simulated tau ~4.07 against ~2.60 for AdamW on every weight +
+        # cosine (step-0 acc 0.83 vs 0.67; val loss 6.19 vs 10.25). Among tokens per step, 2,048
+        # (warm-up 60, ~1 % of 6,046 steps) gives the highest val simulated tau (4.381; 4,096: 4.062;
+        # 8,192: 3.401), and its drafter measures tau 2.234 against speculators' 1.745 on all 880 T=0
+        # turns (1.281x); docs/results.md has the figures. The variants, in order: the loss without
+        # the greedy loops (below), lr 2e-3 and the loss on the prompt's tokens too
         # (train.loss_on_prompt: more signal from the same samples, which speculators' trainer does
-        # not take; val counts generated tokens only either way), the drafter's final norm started at
-        # the target's (train.init_norm_from_target: with the frozen head, the target's own readout
-        # from step 0; speculators starts it at ones, as ours did), the anchor's own step count
-        # (8,192: its val accuracy directly comparable, and our train rate at its batch), then which
-        # half of the recipe carries it (the frozen head with our AdamW + cosine; Muon with a trained
+        # not take; val counts generated tokens only either way), each on top of the main run (at
+        # 4,096 tokens/step both score above the plain recipe: 4.234, 4.199), half the tokens per
+        # step (1,024), 8,192 (the anchor's step size: our train rate at its batch), then which half
+        # of the recipe carries it (the frozen head with our AdamW + cosine; Muon with a trained
         # head), every TTT step weighted alike (speculators' own default; both trainers run 0.8
-        # here), then its row packing.
-        # Session 11 (the same records): 2,048 tokens/step won on val (sim tau 4.381; 4,096: 4.062; lr
-        # 2e-3: 4.234; loss_on_prompt: 4.199; init_norm_from_target: 3.804; 8,192: 3.401) and measured
-        # tau 2.234 against speculators' 1.745 on all 880 T=0 turns (1.281x). So the main run is now
-        # 2,048 tokens/step (warm-up 60, ~1 % of 6,046 steps), and the variants, in order: the two that
-        # beat the old main at 4,096 (lr 2e-3, the loss on the prompt) on top of it, half the tokens
-        # per step again (1,024), 8,192 (our train rate at the anchor's batch), then the ablations
-        # sessions 10-11 did not reach.
+        # here), then its row packing. The target's final norm as the drafter's start
+        # (train.init_norm_from_target) scores below the plain recipe (3.804), so no variant tries it.
         lr=1e-3, warmup=60, batch_tokens=2048, train=SPECULATORS_RECIPE,
-        # Session 11 also found 56 % of the loss tokens in greedy loops (build manifest `repetition`)
-        # and the val pass overstating acceptance (step-0 acc 0.68 on a response's first 128 tokens,
-        # 0.95 past 384; bench/quality/eval_on_val.py): the sweep now chooses by the val pass over
-        # the first eval_new_tokens tokens of each turn (sweep_by), and its first variant trains
-        # without the loops (train.mask_repetition).
+        # 56 % of the loss tokens sit in greedy loops (build manifest `repetition`), and the full val
+        # pass overstates acceptance (step-0 acc 0.68 on a response's first 128 tokens, 0.95 past
+        # 384; bench/quality/eval_on_val.py): so the sweep chooses by the val pass over the first
+        # eval_new_tokens tokens of each turn (sweep_by), and its first variant trains without the
+        # loops (train.mask_repetition).
         sweep_by="sim_tau_head",
         sweep=({"mask_repetition": True, "timeout_s": 280},
                {"lr": 2e-3, "timeout_s": 280},
@@ -110,25 +99,24 @@ SCALES: dict[str, dict[str, Any]] = {
                {"freeze_lm_head": False},
                {"loss_decay": 1.0},
                {"pack_rows": 2048}),
-        # no generation in a lease that carries the records (.cache/q10/records.tar.xz, --records):
-        # session 11 trained the main run 1.7 minutes in (4,096 tokens/step: 107 s), each variant took
-        # ~1.7-2.5 min, and the anchor + both evaluations took 9 min after the sweep (start by 720 s:
-        # experiment 22 min, lease 23.4 min of device time in all)
+        # no generation when the records come with the call (.cache/q10/records.tar.xz, --records):
+        # at 4,096 tokens/step the main run is trained 1.7 min into the experiment (107 s of it), each
+        # variant takes ~1.7-2.5 min, and the anchor + both evaluations take ~9 min after the sweep,
+        # so no variant starts past 720 s (experiment ~22 min, ~23.4 min of device time in all)
         sweep_timeout_s=240, sweep_start_by_s=720,
         # eval/checkpoint only at the end: a mid-run val pass or checkpoint would sit inside a metrics
         # window and count against our tokens/s (speculators' step times leave both out)
         log_every=20, eval_every=100000, checkpoint_every=100000, anchor_lr=1e-3, anchor_timeout_s=480,
-        # speculators' own default tokens per step (--total-seq-len 8192; our main run takes 4,096);
-        # sessions 5-8 gave it 16,384 (our batch then), so session 8's ours at 8,192 had twice its
-        # optimizer steps on the same data and epochs
+        # speculators' own default tokens per step (--total-seq-len 8192: its recipe as shipped; our
+        # main run takes 2,048)
         anchor_total_seq_len=8192,
         anchor_checkpoint_freq=0.5, anchor_warm=True,
         # The full sets (MT-bench 80 x 2 turns, HumanEval 80, GSM8K 80, Spec-Bench 480; T=1 MT-bench 80):
-        # tau through the batched loop (eval.batch_size rows, evaluate/batched.py). 8 batch-1 workers
-        # sharing the GPU took ~1 s per turn (session 5), too slow for ~1,900 turns in a lease.
-        # 256 rows (sessions 6-9: 128): a batched step is bound by its ~1,700 kernel launches, not
-        # its rows (session 7's profile: 209 ms per step of 128 rows, 16 ms of it on the device), so
-        # twice the rows should take about half the steps on the 560 Spec-Bench and 320 other turns
+        # tau through the batched loop (eval.batch_size rows, evaluate/batched.py): 8 batch-1 workers
+        # sharing the GPU take ~1 s per turn, too slow for ~1,900 turns in one device call.
+        # 256 rows: a batched step is bound by its ~1,700 kernel launches, not its rows (profiled at
+        # 128 rows: 209 ms per step, 16 ms of it on the device), so twice the rows should take about
+        # half the steps on the 560 Spec-Bench and 320 other turns
         eval_limit=80, spec_bench_limit=480, eval_batch=256,
         eval_new_tokens=128, timing_limit=10, timing_new_tokens=256, workers=8, t1_limit=80,
         timing_runners=("static",),
@@ -171,8 +159,8 @@ SCALES: dict[str, dict[str, Any]] = {
 K = 7
 # speculators' own options for every GPU run of its trainer. Its default fused Triton loss cannot be
 # traced by torch 2.11's Dynamo inside its compiled forward: "AssertionError: ListVariable(length=21)
-# is already tracked for mutation ... loss_backward_kernel.configs" (H200, session 5, after ~5 min
-# of compilation; bench/results/h200-2026-12-03c/anchor-warm-console.log). Its eager loss (plain
+# is already tracked for mutation ... loss_backward_kernel.configs" (on an H200, after ~5 min of
+# compilation; docs/results.md quotes the log). Its eager loss (plain
 # torch ops, compiled with the rest of the forward) trains: README-speculators.md.
 ANCHOR_GPU_ARGS = ("--loss-implementation", "eager")
 
@@ -300,8 +288,8 @@ def eval_config(base: dict[str, Any], work: Path, name: str, drafter: Path, *, o
 
 
 def phase_ours(work: Path, cfg_path: Path, ours_drafter: Path | None = None) -> None:
-    """`specops run` to export; with ours_drafter (a drafter trained by an earlier run on the same
-    records, e.g. fetched back from a GPU lease) only to extract, which the anchor needs."""
+    """`specops run` to export; with ours_drafter (a drafter trained by another run on the same
+    records, e.g. fetched back from a GPU machine) only to extract, which the anchor needs."""
     if (r := read_result(work, "ours")) and r.get("done"):
         log("ours: done already")
         return
@@ -447,8 +435,9 @@ def _sweep_run(camp: Path, variant: dict[str, Any]) -> dict[str, Any]:
 
 def choose_run(runs: dict[str, dict[str, Any]], by: str | None) -> tuple[dict[str, Any], str]:
     """The sweep's winner among the runs with a result (skipped ones have none): the highest `by`
-    (default sim_tau), ties to the earlier run (the main one first). A key some run lacks (e.g.
-    sim_tau_head from a trainer before it) falls back to sim_tau for all, so every run is judged alike."""
+    (default sim_tau), ties to the run listed first (the main run leads). A key some run lacks (e.g.
+    sim_tau_head from a trainer that does not report it) falls back to sim_tau for all, so every run is
+    judged alike."""
     ok = [r for r in runs.values() if r.get("sim_tau") is not None]
     by = by or "sim_tau"
     if by != "sim_tau" and any(r.get(by) is None for r in ok):
@@ -466,8 +455,8 @@ def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_dra
     its end-of-run val acc (ties: the main run, then the earlier variant); work/ours-drafter links to
     its export dir, which timing, eval and h200_wait.sh use. Each variant runs alone on the device, so
     its train rate is clean; past `sweep_timeout_s` it is stopped and counts as failed (a trainer
-    form that is slow on real data must not eat the lease). Resumable: a variant with a result is not
-    trained again. Must run before the anchor (its convert consumes the features)."""
+    form that is slow on real data must not eat the device time). Resumable: a variant with a result is
+    not trained again. Must run before the anchor (its convert consumes the features)."""
     if ours_drafter:
         log("lr-sweep: skipped (--ours-drafter: no drafter trained here)")
         return
@@ -487,7 +476,7 @@ def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_dra
             continue
         if start_by is not None and time.time() - _T0 > start_by:
             log(f"lr-sweep: {key} skipped: {time.time() - _T0:.0f} s into the experiment, past sweep_start_by_s "
-                f"{start_by} (the anchor and both evaluations still need the lease)")
+                f"{start_by} (the anchor and both evaluations still need the device time)")
             runs[key] = {**{k: x for k, x in v.items() if k != "name"}, "variant": key, "skipped": "sweep_start_by_s"}
             continue
         try:
@@ -836,15 +825,15 @@ def main() -> None:
     ap.add_argument("--carry", type=Path, default=REPO / ".carry_q")
     ap.add_argument("--skip-anchor", action="store_true")
     ap.add_argument("--skip", action="append", default=[], choices=["lr-sweep", "anchor", "timing", "eval"],
-                    help="leave this phase out of `all` (e.g. timing, when the lease has no time for it)")
+                    help="leave this phase out of `all` (e.g. timing, when the device time left is too short)")
     ap.add_argument("--ours-drafter", type=Path,
-                    help="our drafter from an earlier run on the same records (an export dir): ours stops at "
+                    help="our drafter from another run on the same records (an export dir): ours stops at "
                          "extract (the anchor needs the features) and timing/eval use this drafter")
     ap.add_argument("--anchor-drafter", type=Path,
-                    help="the anchor's drafter from an earlier run (speculators_to_eval.py output): phase eval "
+                    help="the anchor's drafter from another run (speculators_to_eval.py output): phase eval "
                          "evaluates it (with --ours-drafter: `run.py eval` needs no campaign, no GPU training)")
     ap.add_argument("--records", type=Path,
-                    help="records.tar.xz of an earlier run (generate/<dataset>/records.jsonl): seeds the campaign, "
+                    help="records.tar.xz of another run (generate/<dataset>/records.jsonl): seeds the campaign, "
                          "so generate resumes with every sample done (same datasets and sampling)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one entry of the scale (e.g. lr=1e-3, epochs=2, eval_limit=40); the value is "

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU proof settings (never on a GPU)")
     ap.add_argument("--skip", type=int, default=1, help="logged steps/windows left out of the steady rate")
     ap.add_argument("--ours", type=Path, help="a specops campaign dir: report its train tokens/s too")
-    ap.add_argument("--measure", type=Path, help="only compute the numbers of an earlier run dir")
+    ap.add_argument("--measure", type=Path, help="only compute the numbers of an existing run dir")
     a = ap.parse_args(argv)
     a.extra = extra
 

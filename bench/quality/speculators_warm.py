@@ -4,15 +4,15 @@
         [--draft-vocab 32000] [--total-seq-len 16384] [--spec-path DIR] [--timeout 600] [-- EXTRA...]
 
 Why: speculators 0.9.0 compiles its EAGLE-3 forward (`@conditional_torch_compile` on CUDA, flex
-attention inside) on the first training step and again for the first validation pass. In
-session 4 the first step had not finished after 3 min 29 s, so a capped run saved nothing. That
-compile is a one-time cost per machine, which a multi-hour run never notices; here it would eat the
-lease. This script runs the anchor's trainer, unmodified, for one short epoch on random data of
-the real run's shapes: the same target (hidden size, verifier lm_head and norm), draft vocab,
+attention inside) on the first training step and again for the first validation pass. On an H200 the
+first step can take more than 3.5 min, so a run capped in time may save nothing. That compile is a
+one-time cost per machine, which a multi-hour run never notices; here it would eat a 30-minute
+device call. This script runs the anchor's trainer, unmodified, for one short epoch on random data
+of the real run's shapes: the same target (hidden size, verifier lm_head and norm), draft vocab,
 total_seq_len (every batch is padded to it, so shapes are static), TTT steps and dtype. Inductor's
-caches (FX graph, AOTAutograd, Triton kernels: /tmp/torchinductor_<user>) then serve the real
-run. Nothing here is used for any figure except the compile cost itself: the seconds from process
-start to its first logged step, written to DIR/warm.json.
+caches (FX graph, AOTAutograd, Triton kernels: /tmp/torchinductor_<user>) then serve the real run.
+Nothing here is used for any figure except the compile cost itself: the seconds from process start
+to its first logged step, written to DIR/warm.json.
 
 Data (same layout as speculators_convert.py): `samples` rows, lengths uniform in [64, 2048],
 random token ids, loss mask 1 from position 1 on, hidden states N(0, 1) in bf16, d2t = 0 (draft id
