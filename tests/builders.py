@@ -227,3 +227,44 @@ def chat_target_and_drafter(tmp_path: Path) -> tuple[Path, Path]:
     export = export_vllm(d.state_dict(), d.config.to_dict(), tmp_path / "vllm", target_config=hf,
                          aux_layer_ids=d.config.aux_layer_ids, target_name_or_path=str(model))
     return model, export
+
+
+
+def chat_llama(path: Path, *, layers: int = 8, hidden: int = 64, seed: int = 0) -> Path:
+    """A random-weight Llama with the bundled SmolLM2 tokenizer (and its chat template) at `path`:
+    a target the whole chain runs on in seconds (local engine, CPU, fp32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from specops.models import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2")))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def pipeline_config(tmp_path: Path, target: Path, **extra):
+    """A campaign config for `specops run` on a `chat_llama` target: 10 ShareGPT first turns, short
+    answers, 3 training steps. `extra` updates sections: {"eval": {...}}."""
+    data = {
+        "campaign": {"name": "pipe", "dir": str(tmp_path / "camp")},
+        "target": {"model": str(target), "dtype": "float32"},
+        "engine": {"kind": "local", "batch_size": 4, "max_model_len": 512},
+        "generate": {"max_tokens": 24, "reasoning": "off", "expect_truncation": True, "canary_samples": 1,
+                     "turns": "first"},
+        "build": {"draft_vocab_size": 256, "max_length": 256},
+        "train": {"ttt_steps": 2, "batch_tokens": 512, "warmup_steps": 1, "total_steps": 3, "log_every": 1,
+                  "eval_every": 3, "checkpoint_every": 3},
+        "datasets": [{"name": "sg", "source": "sharegpt", "limit": 10}],
+    }
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(data.get(k), dict):
+            data[k] = {**data[k], **v}
+        else:
+            data[k] = v
+    return config_from_dict(data)

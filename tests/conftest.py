@@ -57,3 +57,11 @@ def vllm_python() -> str:
             pytest.fail(str(e))  # explicitly configured but broken: not a reason to skip
         pytest.skip(f"vLLM environment absent (./scripts/test.sh builds it): {e}")
 
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> Path:
+    """builders.chat_llama: an 8-layer random Llama with SmolLM2's tokenizer, for whole-chain runs."""
+    from builders import chat_llama
+
+    return chat_llama(tmp_path_factory.mktemp("tiny") / "target")

@@ -16,7 +16,7 @@ import pytest
 from specops.config import dump_toml
 from specops.pipeline import run_all
 
-from test_pipeline import make_cfg, tiny_target  # noqa: F401 (tiny_target: a fixture)
+from builders import pipeline_config as make_cfg
 
 EVAL = {"datasets": ["mtbench"], "limit_per_dataset": 2, "k": 2, "max_new_tokens": 12, "baseline": False}
 DOWNSTREAM = ("train", "export", "eval")

@@ -104,32 +104,16 @@ def test_extract_train_and_export_agree_on_the_ids_of_a_small_target(tmp_path):
     """A 6-layer target, where the engines' formula [2, 3, 3] would repeat an id: `specops run` to
     export, and every phase records the same ids, the default's [1, 3, 5], which export --check
     accepts against the target."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from specops.config import config_from_dict
     from specops.drafter.export import check_export
-    from specops.models import resolve_model_dir
     from specops.pipeline import run_all
 
-    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2")))
-    mcfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    target = tmp_path / "target"
-    AutoModelForCausalLM.from_config(mcfg).save_pretrained(target)
-    tok.save_pretrained(target)
-    cfg = config_from_dict({
-        "campaign": {"name": "ids", "dir": str(tmp_path / "camp")},
-        "target": {"model": str(target), "dtype": "float32"},
-        "engine": {"kind": "local", "batch_size": 4, "max_model_len": 256},
-        "generate": {"max_tokens": 12, "reasoning": "off", "expect_truncation": True, "canary_samples": 0,
-                     "turns": "first"},
-        "build": {"draft_vocab_size": 128, "max_length": 128},
-        "train": {"ttt_steps": 2, "batch_tokens": 256, "warmup_steps": 1, "total_steps": 2, "log_every": 1,
-                  "eval_every": 2, "checkpoint_every": 2},
-        "datasets": [{"name": "sg", "source": "sharegpt", "limit": 6}],
-    })  # fmt: skip
+    from builders import chat_llama, pipeline_config
+
+    target = chat_llama(tmp_path / "target", layers=6, hidden=32)
+    cfg = pipeline_config(tmp_path, target, generate={"max_tokens": 12, "canary_samples": 0},
+                          build={"draft_vocab_size": 128, "max_length": 128},
+                          train={"batch_tokens": 256, "total_steps": 2, "eval_every": 2, "checkpoint_every": 2},
+                          datasets=[{"name": "sg", "source": "sharegpt", "limit": 6}])
     run_all(cfg, stop="export", progress=False)
     camp = tmp_path / "camp"
     want = default_aux_layer_ids(6)
