@@ -13,7 +13,7 @@ feature difference (bf16 batches of other shapes round differently), and the sca
 tokens / the slowest rank's extract wall time, N processes over one.
 
 train: a synthetic feature campaign (bench/train_gpu.py's; SmolLM2-shaped by default), trained by
-`python -m specops.drafter.train` in one process with grad_accum N and under torchrun with grad_accum
+`python -m specops train` in one process with grad_accum N and under torchrun with grad_accum
 1 (the same micro-batches per optimizer step, so the same global batch), both eager; and once more
 in one process with the default CUDA graphs (what one GPU gives a user; graphs are off under DDP).
 Reports the loss curves' largest relative difference per logged step (tolerance: 1e-4 in fp32 on
@@ -192,7 +192,7 @@ def bench_train(a: argparse.Namespace, work: Path) -> dict[str, object]:
         cfg = synthetic_train_config(root, tdir, ttt_steps=a.ttt, batch_tokens=a.batch_tokens, total_steps=a.steps,
                                      max_seq_len=a.seq_len, log_every=a.log_every, **over)
         Campaign.create_or_open(cfg)
-        launch(nproc, ["-m", "specops.drafter.train", str(root)], work / f"train-{name}.log", a.timeout)
+        launch(nproc, ["-m", "specops", "train", str(root)], work / f"train-{name}.log", a.timeout)
         rows = _train_rows(root)
         steady = rows[1:] or rows
         arms[name] = {"nproc": nproc, **over, "steps": rows[-1]["step"], "tokens": rows[-1]["tokens"],

@@ -202,7 +202,7 @@ def test_fp8_within_e4m3_tolerance(tmp_path, llama_dir):
 def start_extract(camp: Path, log: Path) -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "specops.extract", str(camp), "--split", "train"],
+        [sys.executable, "-m", "specops", "extract", str(camp), "--split", "train"],
         stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
 

@@ -350,7 +350,8 @@ def cf(target, x, *a, **k):
 
 ex._Pipeline.finish_shard = finish
 ex.compute_features = cf
-sys.exit(ex.main([sys.argv[1], "--split", "train"]))
+from specops.cli import main
+sys.exit(main(["extract", sys.argv[1], "--split", "train"]))
 '''
 
 

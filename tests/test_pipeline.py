@@ -4,6 +4,7 @@ that skips them all; a failing gate stops before the phase."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +32,26 @@ def test_full_pipeline_then_resume_skips_everything(tmp_path, tiny_target):
     assert [e for e in m["events"] if e["kind"] == "preflight"], "a gate ran before the phases"
     again = run_all(cfg, stop=STOP_AT, progress=False)
     assert all(v == "skipped (done)" for v in again.values()), again
+    # bench/compare_campaigns.py: a copy compares equal; a changed checkpoint weight does not
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    bench = Path(__file__).resolve().parents[1] / "bench" / "compare_campaigns.py"
+    copy = tmp_path / "copy"
+    shutil.copytree(camp, copy)
+    same = subprocess.run([sys.executable, str(bench), str(camp), str(copy)], capture_output=True, text=True)
+    assert same.returncode == 0, same.stdout + same.stderr
+    ck = sorted((copy / "drafter" / "checkpoints").glob("step-*"))[-1] / "model.safetensors"
+    t = load_file(str(ck))
+    t["fc.weight"] = t["fc.weight"] + 1e-3 * torch.ones_like(t["fc.weight"])
+    save_file(t, str(ck))
+    changed = subprocess.run([sys.executable, str(bench), str(camp), str(copy)], capture_output=True, text=True)
+    res = json.loads(changed.stdout)
+    assert changed.returncode == 1 and res["final checkpoint tensors"] is False and res["generate records"] is True
 
 
 def test_gate_stops_before_the_phase(tmp_path, tiny_target, monkeypatch):

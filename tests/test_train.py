@@ -795,7 +795,7 @@ RESUME = {**BASE, "total_steps": 100, "batch_tokens": 64, "grad_accum": 2, "chec
 
 def _train_proc(camp: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "specops.drafter.train", str(camp)],
+    return subprocess.Popen([sys.executable, "-m", "specops", "train", str(camp)],
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -865,7 +865,7 @@ def test_ddp_two_ranks_equals_one_rank_with_accumulation(tiny, tmp_path):
     run_train(load_config(tmp_path / "one.toml"), one)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-port", str(29500 + os.getpid() % 1000), "-m", "specops.drafter.train",
+                        "--master-port", str(29500 + os.getpid() % 1000), "-m", "specops", "train",
                         str(two.root)], capture_output=True, text=True, env=env, timeout=180)
     assert r.returncode == 0, r.stderr[-4000:]
     a, b = metrics(one.root), metrics(two.root)

@@ -197,12 +197,39 @@ def _build_line(m: dict) -> str:
     return line
 
 
+def _rank() -> int:
+    """This process's rank under torchrun (0 alone): only rank 0 locks the campaign and prints."""
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+def _phase_config(camp):
+    """The config a phase started on a campaign directory runs with: the campaign's own copy."""
+    from .config import load_config
+    from .errors import InputError
+
+    if not camp.config_path.is_file():
+        raise InputError(f"{camp.config_path}: not found (is {camp.root} a campaign directory?)")
+    return load_config(camp.config_path)
+
+
 def _cmd_extract(args: argparse.Namespace) -> int:
     """Target hidden states -> features/ (under torchrun: each rank its own shards)."""
-    from . import extract
+    from .campaign import RunLock
+    from .extract import run_extract
 
     camp = _campaign_from_arg(args.campaign)
-    return extract.main([str(camp.root), "--split", args.split])
+    cfg = _phase_config(camp)
+    lock = RunLock(camp, "extract").acquire() if _rank() == 0 else None
+    try:
+        summary = run_extract(cfg, camp, split=args.split)
+    finally:
+        if lock is not None:
+            lock.release()
+    if _rank() == 0:
+        print(json.dumps(summary, indent=1))
+    return 0
 
 
 def _campaign_from_arg(arg: str):
@@ -219,11 +246,14 @@ def _campaign_from_arg(arg: str):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .drafter import train
+    """features/ (or the target in process) -> drafter checkpoints (under torchrun: DDP)."""
+    from .drafter.train import run_train
 
     camp = _campaign_from_arg(args.campaign)
-    argv = [str(camp.root)] + (["--max-steps", str(args.max_steps)] if args.max_steps else [])
-    return train.main(argv)
+    summary = run_train(_phase_config(camp), camp, max_steps=args.max_steps)
+    if _rank() == 0:
+        print(json.dumps(summary, indent=1))
+    return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

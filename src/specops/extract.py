@@ -60,7 +60,6 @@ and a failure in any is raised by `run_extract`.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
 import contextlib
@@ -71,7 +70,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -80,8 +78,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json, sha256_file
-from .config import Config, load_config
+from .campaign import Campaign, atomic_write_json, now_iso, read_json, sha256_file
+from .config import Config
 from .errors import ConfigError, DiskFull, InputError, SpecopsError
 from .features import (
     CONVENTION,
@@ -1025,36 +1023,3 @@ def run_extract(
     finally:
         if own_group:
             torch.distributed.destroy_process_group()
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m specops.extract",
-        description="Extract target hidden states into CAMPAIGN/features/ (run under torchrun for several GPUs).",
-    )
-    ap.add_argument("campaign", help="campaign directory (holds campaign.toml and build/)")
-    ap.add_argument("--split", choices=("train", "val", "both"), default="both")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        camp = Campaign(args.campaign)
-        if not camp.config_path.is_file():
-            raise InputError(f"{camp.config_path}: not found (is {camp.root} a campaign directory?)")
-        cfg = load_config(camp.config_path)
-        lock = RunLock(camp, "extract").acquire() if rank == 0 else None
-        try:
-            summary = run_extract(cfg, camp, split=args.split)
-        finally:
-            if lock is not None:
-                lock.release()
-    except SpecopsError as e:
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
-        return e.exit_code
-    if rank == 0:
-        print(json.dumps(summary, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -31,7 +31,6 @@ vocab). Simulated tau (chain of K drafts, temperature 0): 1 + sum_k prod_{i<=k} 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
@@ -41,7 +40,6 @@ import os
 import random
 import shutil
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -1363,28 +1361,3 @@ def run_train(cfg, campaign: Campaign, *, features_fn: FeaturesFn | None = None,
             import torch.distributed as tdist
 
             tdist.destroy_process_group()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from ..config import load_config
-    from ..errors import SpecopsError
-
-    ap = argparse.ArgumentParser(prog="python -m specops.drafter.train", description=__doc__.split("\n")[0])
-    ap.add_argument("campaign", help="campaign directory (holds campaign.toml)")
-    ap.add_argument("--max-steps", type=int, default=None, help="stop after this optimizer step (resumable)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        camp = Campaign(args.campaign)
-        cfg = load_config(camp.config_path)
-        summary = run_train(cfg, camp, max_steps=args.max_steps)
-    except SpecopsError as e:
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
-        return e.exit_code
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(summary, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

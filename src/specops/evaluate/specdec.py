@@ -38,7 +38,6 @@ left out and listed in eval/<dataset>.json.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -848,37 +847,3 @@ def with_workers(cfg: Config, workers: int | None, batch_size: int | None = None
         extra = {"baseline": False, **({"workers": 1} if workers is None else {})} if batch_size > 1 else {}
         ev = dataclasses.replace(ev, batch_size=batch_size, **extra)
     return cfg if ev is cfg.eval else dataclasses.replace(cfg, eval=ev)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from ..config import load_config
-
-    ap = argparse.ArgumentParser(prog="python -m specops.evaluate", description=__doc__.split("\n")[0])
-    ap.add_argument("campaign", help="campaign directory (holds campaign.toml)")
-    ap.add_argument("--drafter", help="an export dir or training checkpoint (default: eval.drafter, else the latest)")
-    ap.add_argument("--no-report", action="store_true", help="skip eval/report.md and report.html")
-    ap.add_argument("--workers", type=int, help="worker processes on the device (overrides eval.workers)")
-    ap.add_argument("--batch-size", type=int, help="conversations per batched loop (overrides eval.batch_size; "
-                    "> 1: tau only, baseline off, one worker)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        camp = Campaign(args.campaign)
-        if not camp.config_path.is_file():
-            raise InputError(f"{camp.config_path}: not found (is {camp.root} a campaign directory?)")
-        cfg = with_workers(load_config(camp.config_path), args.workers, args.batch_size)
-        summary = run_eval(cfg, camp, drafter_dir=args.drafter)
-        if not args.no_report:
-            from .report import write_report
-
-            md, html = write_report(camp)
-            print(f"report: {md}\n        {html}", file=sys.stderr)
-    except SpecopsError as e:
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
-        return e.exit_code
-    print(json.dumps({"overall": summary["overall"], "verdict": summary["verdict"]}, indent=1))
-    return 0 if summary["verdict"]["go"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from .specdec import main
-
-sys.exit(main())
