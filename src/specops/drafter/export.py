@@ -32,17 +32,46 @@ What the loaders read (at the commits named in tests/test_export.py):
   **True** there, against False in llama_eagle3.py and in speculators itself: so we always write it.
 
 Layer ids. Ours are "input to layer" ids = HF `output_hidden_states` indices, default
-`[2, L//2, L-3]`.
+`[2, L//2, L-3]`. Below, T is the list a drafter was trained on (each id in [1, L-1]), E the
+list written to `eagle_config`, C the capture indices an engine ends up with.
 * vLLM (`vllm/v1/worker/gpu_model_runner.py` `_get_eagle3_aux_layers_from_config`, and
   `vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py` `get_eagle3_aux_layers_from_config`)
   passes top-level `eagle_aux_hidden_state_layer_ids` unchanged to `set_aux_hidden_state_layers`;
   `LlamaModel.forward` (vllm/model_executor/models/llama.py) appends `hidden_states + residual`
   *before* running layer idx when idx is in the set: id t = input to layer t. No offset.
-* SGLang (`ModelRunner` reads the draft's `eagle_config["eagle_aux_hidden_state_layer_ids"]`;
-  `python/sglang/srt/models/llama.py` `LlamaForCausalLM.set_eagle3_layers_to_capture` sets
-  `layers_to_capture = [val + 1 for val in layer_ids]`, and `LlamaModel.forward` captures before
-  layer i): id e = output of layer e = input to layer e+1. So eagle_config holds t - 1.
-  Without eagle_config SGLang captures its default `[2, L//2, L-3]` (input-to-layer).
+* SGLang (0.5.23) reads only the draft's `eagle_config["eagle_aux_hidden_state_layer_ids"]`
+  (`model_executor/model_runner_components/spec_aux_hidden_state.py`
+  `_resolve_eagle_aux_hidden_state`; a missing key gives None) and passes E to the *target*
+  model's `set_eagle3_layers_to_capture` (`attention_backend_setup.py`
+  `configure_aux_hidden_state_capture`). That method turns E into C, and the model's forward loop
+  captures the residual stream entering layer i for every i in C (the decoder layer's
+  `attn_boundary.prepare`), appending in layer order whatever the order of C: C holds
+  input-to-layer ids. The draft side reads only len(E) (`llama_eagle3.py`, fc width). E = None
+  gives C = [2, L//2, L-3] in every family below. How E becomes C depends on the target's class:
+  - llama rule: `models/llama.py` `LlamaForCausalLM.set_eagle3_layers_to_capture` sets
+    C = [e + 1 for e in E]; qwen2.py, qwen3.py, qwen2_moe.py, qwen3_moe.py, qwen3_next.py,
+    qwen3_vl.py, gemma3/gemma4, glm4_moe.py `Glm4MoeForCausalLM`, minimax_m2.py and the rest of
+    `_SGLANG_LLAMA_RULE_ARCHS` carry the same line. Inverse: E = T - 1, for every T.
+  - deepseek rule: `models/deepseek_v2.py` `DeepseekV2ForCausalLM.set_eagle3_layers_to_capture`
+    adds 1 to every id only when E[0] == 1 and otherwise takes E as C unchanged (SGLang PR
+    #25454; releases without it always add 1). DeepSeek-V3/V3.2 and Kimi-K2 (`DeepseekV3ForCausalLM`),
+    GLM-5 (`GlmMoeDsaForCausalLM`) and Mistral-Large-3 inherit it, `models/kimi_k25.py`
+    `KimiK25ForConditionalGeneration` (Kimi-K2.5) hands E to its `DeepseekV3ForCausalLM`, and
+    `glm4_moe_lite.py` has a copy. Inverse, by T's first id:
+      T[0] == 2 (the default): E = T - 1, whose first id 1 makes SGLang add 1 back; releases
+        without #25454 read that list the same way.
+      T[0] >= 3: E = T, taken as written (E[0] != 1). Releases without #25454 would add 1, and
+        no single list suits both: specops writes the 0.5.23 form.
+      T[0] == 1: no list in T's order works. [1, ...] (= T) is shifted to [2, ...]; [0, ...]
+        (= T - 1) is taken as written and captures the embedding output. Export refuses. Listing
+        a non-1 id first (e.g. [T[1], 1, ...]) is taken as written and captured in layer order,
+        so check_export accepts such a list; export writes lists only in T's order.
+  - gpt_oss rule: `models/gpt_oss.py` `GptOssForCausalLM.set_eagle3_layers_to_capture` takes E
+    as written when max(E) == L (its loop also captures the last layer's output) and otherwise
+    adds 1 to every id. Inverse for T within [1, L-1]: E = T - 1 (max(E) <= L - 2).
+  - other architectures: the llama rule is assumed, and check_export warns that it is.
+  `sglang_rule` picks the family from the target config: the top-level `architectures` SGLang
+  dispatches on, then the text config's (`text_config` etc.), then the `model_type`s.
 * speculators: `eagle_aux_hidden_state_layer_ids` in the vLLM convention (its data generation hands
   the same list to vLLM, scripts/launch_vllm.py).
 """
@@ -91,20 +120,146 @@ __all__ = [
     "check_export",
     "load_exported",
     "sglang_layer_ids",
+    "sglang_rule",
+    "sglang_captured_ids",
+    "SglangRule",
     "MIDLAYER_PARAMS",
     "REQUIRED_KEYS",
     "SPECULATORS_NAME_MAP",
 ]
 
 
-def sglang_layer_ids(aux_layer_ids: list[int]) -> list[int]:
-    """Input-to-layer ids -> the ids SGLang expects in `eagle_config`.
+# SGLang 0.5.23 target classes by the rule their set_eagle3_layers_to_capture applies to
+# eagle_config ids (module docstring), keyed by the `architectures` name SGLang dispatches on.
+# Draft-only classes (NextN, Eagle heads) are left out: a drafter's target is never one.
+_SGLANG_DEEPSEEK_RULE_ARCHS = frozenset({
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+    "Glm4MoeLiteForCausalLM", "MistralLarge3ForCausalLM", "KimiK25ForConditionalGeneration",
+})
+_SGLANG_GPT_OSS_RULE_ARCHS = frozenset({"GptOssForCausalLM"})
+_SGLANG_LLAMA_RULE_ARCHS = frozenset({
+    "LlamaForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration", "MistralForCausalLM",
+    "Ministral3ForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM", "IQuestCoderForCausalLM",
+    "TeleFLMForCausalLM", "ApertusForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+    "Qwen4ExpForConditionalGeneration", "Cosmos3ForConditionalGeneration", "InternS1ProForConditionalGeneration",
+    "InternS2MobiusForConditionalGeneration", "InternS2PreviewForConditionalGeneration", "MellumForCausalLM",
+    "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
+    "Gemma4UnifiedForConditionalGeneration", "Glm4MoeForCausalLM", "Glm5NextForConditionalGeneration",
+    "MiniMaxM2ForCausalLM", "MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration",
+    "LongcatFlashForCausalLM", "BailingMoEForCausalLM", "BailingMoeForCausalLM", "BailingMoeV2ForCausalLM",
+    "SarvamMoEForCausalLM", "ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM",
+})
+_SGLANG_ARCH_RULE = {
+    **{a: "llama" for a in _SGLANG_LLAMA_RULE_ARCHS},
+    **{a: "deepseek" for a in _SGLANG_DEEPSEEK_RULE_ARCHS},
+    **{a: "gpt_oss" for a in _SGLANG_GPT_OSS_RULE_ARCHS},
+}
+# Fallback when no architecture name is known: the transformers model_type of those classes.
+_SGLANG_MODEL_TYPE_RULE = {
+    **{t: "deepseek" for t in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25",
+                               "glm_moe_dsa", "glm4_moe_lite")},
+    "gpt_oss": "gpt_oss",
+    **{t: "llama" for t in ("llama", "llama4", "llama4_text", "mistral", "ministral3", "phi3", "qwen2",
+                            "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "gemma3", "gemma3_text",
+                            "glm4_moe", "minimax_m2")},
+}
+_NO_TARGET = "no target config"
+_SGLANG_RULE_WHERE = {
+    "llama": "python/sglang/srt/models/llama.py LlamaForCausalLM.set_eagle3_layers_to_capture: adds 1 to every id",
+    "deepseek": "python/sglang/srt/models/deepseek_v2.py DeepseekV2ForCausalLM.set_eagle3_layers_to_capture: "
+                "adds 1 to every id when the first is 1, else takes the ids as written",
+    "gpt_oss": "python/sglang/srt/models/gpt_oss.py GptOssForCausalLM.set_eagle3_layers_to_capture: takes the ids "
+               "as written when the largest is the layer count, else adds 1 to every id",
+}
 
-    SGLang `python/sglang/srt/models/llama.py` `LlamaForCausalLM.set_eagle3_layers_to_capture` adds 1
-    (`layers_to_capture = [val + 1 for val in layer_ids]`) and captures the input of that layer, so
-    it must be given "output of layer" ids: input to layer t = output of layer t-1.
+
+@dataclass(frozen=True, slots=True)
+class SglangRule:
+    """How SGLang turns a target's `eagle_config` layer ids into the layers it captures."""
+
+    family: str  # "llama" | "deepseek" | "gpt_oss"
+    known: bool  # False: the target is not one specops recognises; the llama rule is assumed
+    source: str  # what in the target config decided it, for messages
+
+    def describe(self) -> str:
+        assumed = "" if self.known else " (assumed)"
+        return f"{self.family} rule{assumed} from {self.source}: {_SGLANG_RULE_WHERE[self.family]}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"family": self.family, "known": self.known, "source": self.source}
+
+
+def sglang_rule(target_config: Mapping[str, Any] | None) -> SglangRule:
+    """The SGLang layer-id rule for a target config (a config.json dict, or our manifest's target
+    block). Looks at the top-level `architectures`, the text config's, then the `model_type`s."""
+    if not isinstance(target_config, Mapping):
+        return SglangRule("llama", False, _NO_TARGET)
+    text = text_config(target_config)
+    text = text if isinstance(text, Mapping) and text is not target_config else {}  # {}: not a wrapper
+    seen: list[str] = []
+    for where, cfg in (("architectures", target_config), ("text_config architectures", text)):
+        archs = cfg.get("architectures") or []
+        for arch in [archs] if isinstance(archs, str) else archs:
+            if arch in _SGLANG_ARCH_RULE:
+                return SglangRule(_SGLANG_ARCH_RULE[arch], True, f"{where} {arch}")
+            seen.append(f"{where} {arch}")
+    for where, cfg in (("model_type", target_config), ("text_config model_type", text)):
+        model_type = cfg.get("model_type")
+        if model_type in _SGLANG_MODEL_TYPE_RULE:
+            return SglangRule(_SGLANG_MODEL_TYPE_RULE[model_type], True, f"{where} {model_type}")
+        if model_type is not None:
+            seen.append(f"{where} {model_type}")
+    return SglangRule("llama", False, ", ".join(seen) or "a target config naming no architecture")
+
+
+def sglang_captured_ids(eagle_ids: list[int], rule: SglangRule, num_layers: int | None = None) -> list[int]:
+    """eagle_config ids -> the input-to-layer ids SGLang captures (in the order given; SGLang
+    itself captures in layer order). `num_layers` matters only to the gpt_oss rule."""
+    ids = list(eagle_ids)
+    if rule.family == "deepseek" and not (ids and ids[0] == 1):
+        return ids
+    if rule.family == "gpt_oss" and ids and num_layers is not None and max(ids) == num_layers:
+        return ids
+    return [e + 1 for e in ids]
+
+
+def sglang_layer_ids(aux_layer_ids: list[int], rule: SglangRule | None = None, *,
+                     num_layers: int | None = None) -> list[int]:
+    """Input-to-layer ids -> the `eagle_config` ids that make SGLang capture exactly them.
+
+    `rule` defaults to the llama rule. Raises ExportError when the target's rule cannot carry the
+    ids in their order (the deepseek rule with a first id of 1; module docstring, "Layer ids").
     """
-    return [t - 1 for t in aux_layer_ids]
+    rule = rule or SglangRule("llama", False, _NO_TARGET)
+    ids = list(aux_layer_ids)
+    if rule.family == "deepseek":
+        if ids and ids[0] == 1:
+            raise ExportError(_deepseek_first_id_1(ids, rule, num_layers))
+        written = [t - 1 for t in ids] if ids and ids[0] == 2 else ids
+    else:
+        written = [t - 1 for t in ids]
+    if sglang_captured_ids(written, rule, num_layers) != ids:  # each branch above inverts its rule
+        raise ExportError(f"SGLang's {rule.family} rule cannot carry aux layer ids {ids}")
+    return written
+
+
+def _deepseek_first_id_1(ids: list[int], rule: SglangRule, num_layers: int | None) -> str:
+    default = ""
+    if num_layers is not None and num_layers >= 7:
+        d = engine_default_aux_layer_ids(num_layers)
+        default = f" (the default {d} is written as {[t - 1 for t in d]})"
+    reordered = [ids[1], ids[0], *ids[2:]] if len(ids) > 1 else None
+    by_hand = (f"; SGLang 0.5.23 also captures them from a hand-written eagle_config that lists a non-1 id "
+               f"first, e.g. {reordered}, because it captures in layer order" if reordered else "")
+    return (f"the SGLang eagle_config cannot carry aux layer ids {ids} in this order for a DeepSeek-family target "
+            f"({rule.source}; {_SGLANG_RULE_WHERE['deepseek']}): written as {ids} SGLang captures "
+            f"{[t + 1 for t in ids]}, written as {[t - 1 for t in ids]} it captures {[t - 1 for t in ids]} (id 0 "
+            f"is the embedding output). Train with a first aux layer id of 2 or more{default}, or export only "
+            f"the speculators format (`specops export --format speculators`, which vLLM serves and which has no "
+            f"eagle_config){by_hand}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,20 +564,26 @@ def _llama_layer_config(fields: Mapping[str, Any], dims: _Dims, dtype: torch.dty
 
 
 def _manifest(flavor: str, *, target_config: Mapping[str, Any], target_name_or_path: str,
-              aux_layer_ids: list[int], tensors: Mapping[str, torch.Tensor], write_embed: bool) -> dict[str, Any]:
+              aux_layer_ids: list[int], tensors: Mapping[str, torch.Tensor], write_embed: bool,
+              sglang: tuple[list[int], SglangRule] | None = None) -> dict[str, Any]:
+    text = text_config(target_config)
     return {
         "format": EXPORT_FORMAT,
         "flavor": flavor,
         "target": {
             "name_or_path": target_name_or_path,
             "architectures": list(target_config.get("architectures") or []),
+            # with architectures, what check_export picks the SGLang layer-id rule from
+            "model_type": target_config.get("model_type") or (text.get("model_type") if isinstance(text, Mapping)
+                                                              else None),
             "num_hidden_layers": _target_int(target_config, "num_hidden_layers"),
             "hidden_size": _target_int(target_config, "hidden_size"),
             "vocab_size": _target_int(target_config, "vocab_size"),
         },
         "aux_layer_ids": list(aux_layer_ids),
         "aux_layer_convention": AUX_CONVENTION,
-        "sglang_eagle_config_layer_ids": sglang_layer_ids(list(aux_layer_ids)) if flavor == "vllm" else None,
+        "sglang_eagle_config_layer_ids": sglang[0] if sglang else None,
+        "sglang_layer_rule": sglang[1].to_json() if sglang else None,
         "embed_tokens": "included" if write_embed else "shared from the target by the engine",
         "tensors": {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in sorted(tensors.items())},
         "versions": {"torch": torch.__version__, "safetensors": safetensors.__version__},
@@ -482,6 +643,8 @@ def export_vllm(
     aux = [int(i) for i in aux_layer_ids]
     tensors, fields, dims, write_embed = _prepare(state_dict, drafter_config, target_config=target_config,
                                                   aux_layer_ids=aux, dtype=dtype, embed_tokens=embed_tokens)
+    rule = sglang_rule(target_config)
+    sglang_ids = sglang_layer_ids(aux, rule, num_layers=_target_int(target_config, "num_hidden_layers"))
     config = {
         "architectures": [VLLM_ARCH],
         **_llama_layer_config(fields, dims, dtype),
@@ -490,11 +653,11 @@ def export_vllm(
         "norm_before_residual": fields["norm_before_residual"],
         # vLLM: read as-is, input-to-layer (gpu_model_runner._get_eagle3_aux_layers_from_config).
         "eagle_aux_hidden_state_layer_ids": aux,
-        # SGLang: read from here and +1 added (llama.py set_eagle3_layers_to_capture), so output-of-layer.
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(aux), "use_aux_hidden_state": True},
+        # SGLang: read from here and mapped by the target's set_eagle3_layers_to_capture (sglang_rule).
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True},
     }
     manifest = _manifest("vllm", target_config=target_config, target_name_or_path=target_name_or_path,
-                         aux_layer_ids=aux, tensors=tensors, write_embed=write_embed)
+                         aux_layer_ids=aux, tensors=tensors, write_embed=write_embed, sglang=(sglang_ids, rule))
     return _write_dir(Path(out_dir), config, tensors, manifest, target_config)
 
 
@@ -582,22 +745,25 @@ class CheckReport:
 
 
 def _target_layers(d: Path, config: Mapping[str, Any], fmt: str,
-                   target_config: Mapping[str, Any] | str | Path | None) -> tuple[Mapping[str, Any] | None, str | None]:
-    """The target's (text) config when reachable without a network: given, or a local dir named by
-    our manifest or the speculators verifier."""
-    def from_path(path: Path, source: str) -> tuple[Mapping[str, Any], str] | None:
+                   target_config: Mapping[str, Any] | str | Path | None
+                   ) -> tuple[Mapping[str, Any] | None, str | None, Mapping[str, Any] | None]:
+    """(text config, where from, whole config) of the target when reachable without a network:
+    given, or a local dir named by our manifest or the speculators verifier. The whole config
+    (for a manifest: its target block) is what `sglang_rule` reads."""
+    def text_of(cfg: Mapping[str, Any]) -> dict[str, Any]:
+        text = dict(text_config(cfg))
+        text.setdefault("vocab_size", cfg.get("vocab_size"))
+        return text
+
+    def from_path(path: Path, source: str) -> tuple[Mapping[str, Any], str, Mapping[str, Any]] | None:
         cfg_file = path if path.suffix == ".json" else path / "config.json"
         if cfg_file.is_file():
             cfg = json.loads(cfg_file.read_text())
-            text = dict(text_config(cfg))
-            text.setdefault("vocab_size", cfg.get("vocab_size"))
-            return text, f"{source} ({cfg_file})"
+            return text_of(cfg), f"{source} ({cfg_file})", cfg
         return None
 
     if isinstance(target_config, Mapping):
-        text = dict(text_config(target_config))
-        text.setdefault("vocab_size", target_config.get("vocab_size"))
-        return text, "argument"
+        return text_of(target_config), "argument", target_config
     if target_config is not None:
         found = from_path(Path(target_config), "argument")
         if found is None:
@@ -607,18 +773,34 @@ def _target_layers(d: Path, config: Mapping[str, Any], fmt: str,
     if manifest.is_file():
         target = json.loads(manifest.read_text()).get("target") or {}
         if isinstance(target.get("num_hidden_layers"), int):
-            return target, "manifest.json"
+            return target, "manifest.json", target
     if fmt == "speculators":
         name = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
         if name and (found := from_path(Path(name), "speculators_config.verifier.name_or_path")):
             return found
-    return None, None
+    return None, None, None
+
+
+def _is_int_list(ids: Any) -> bool:
+    return isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+
+
+def _sglang_fix(top: Any, rule: SglangRule, num_layers: int | None) -> str:
+    """What eagle_config should hold for top-level ids `top`, as advice."""
+    if not _is_int_list(top):
+        return "fix the top-level ids first"
+    try:
+        return f"write eagle_config = {sglang_layer_ids(top, rule, num_layers=num_layers)}"
+    except ExportError as e:
+        return str(e)
 
 
 def _check_layer_ids(
-    config: Mapping[str, Any], fmt: str, num_layers: int | None, facts: dict[str, Any]
+    config: Mapping[str, Any], fmt: str, num_layers: int | None, facts: dict[str, Any], rule: SglangRule
 ) -> list[CheckResult]:
-    """The layer-id fields against what each engine reads (module docstring, "Layer ids")."""
+    """The layer-id fields against what each engine reads (module docstring, "Layer ids"): vLLM
+    captures the top-level ids, SGLang what `rule` makes of the eagle_config ids; both capture in
+    layer order, so the two lists must agree as sets."""
     out: list[CheckResult] = []
     top = config.get("eagle_aux_hidden_state_layer_ids")
     default = engine_default_aux_layer_ids(num_layers) if num_layers is not None else None
@@ -634,42 +816,52 @@ def _check_layer_ids(
 
     eagle_config = config.get("eagle_config") or {}
     sg = eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, Mapping) else None
-    facts["eagle_config ids (SGLang, output-of-layer)"] = sg
+    facts["eagle_config ids (SGLang)"] = sg
     if isinstance(eagle_config, Mapping) and eagle_config.get("use_aux_hidden_state") is False:
         out.append(_nogo("layer_ids.no_aux", "eagle_config.use_aux_hidden_state is false: vLLM skips fc and feeds "
                          "one hidden state, not EAGLE-3's three"))
     if top is not None:
         out += _check_aux_ids(top, num_layers, field_name="eagle_aux_hidden_state_layer_ids")
-    if sg is not None and not (isinstance(sg, list) and all(isinstance(i, int) for i in sg)):
+    if sg is not None and not _is_int_list(sg):
         out.append(_nogo("layer_ids.type", "eagle_config.eagle_aux_hidden_state_layer_ids must be a list of ints, "
                          f"got {sg!r}"))
         return out
-    if top is not None and sg is not None:
-        if isinstance(top, list) and [s + 1 for s in sg] == top:
-            facts["layer id relation"] = "eagle_config = top-level - 1 (as SGLang's +1 expects)"
-        elif sg == top:
-            out.append(_nogo("layer_ids.offset", f"eagle_config ids {sg} equal the top-level ids: SGLang adds 1 "
-                             "(llama.py set_eagle3_layers_to_capture), so SGLang would take each aux state one layer "
-                             f"later than vLLM; write eagle_config = {[t - 1 for t in top]}"))
+    captured = None
+    if sg is not None:
+        captured = sglang_captured_ids(sg, rule, num_layers)
+        facts["SGLang layer-id rule"] = rule.describe()
+        facts["SGLang captures (input-to-layer)"] = captured
+        if not rule.known:
+            why = ("no target config is reachable" if rule.source == _NO_TARGET else
+                   f"specops does not know which rule SGLang applies to {rule.source}")
+            out.append(_warn("layer_ids.sglang_rule", f"SGLang layer-id rule assumed to be the llama rule (every "
+                             f"eagle_config id + 1): {why}; pass the target config to check against its rule",
+                             source=rule.source))
+    if top is not None and captured is not None:
+        if _is_int_list(top) and sorted(captured) == sorted(top):
+            facts["layer id relation"] = "SGLang captures the top-level ids from eagle_config"
         else:
-            out.append(_nogo("layer_ids.disagree", f"top-level ids {top} and eagle_config ids {sg} differ by other "
-                             "than the expected offset (eagle_config = top-level - 1)"))
+            shifted = _is_int_list(top) and any(sorted(captured) == sorted(t + k for t in top) for k in (1, -1))
+            where = "each one layer off" if shifted else "other layers"
+            out.append(_nogo("layer_ids.offset" if shifted else "layer_ids.disagree",
+                             f"eagle_config ids {sg}: SGLang captures input-to-layer {captured} ({rule.describe()}), "
+                             f"vLLM the top-level {top}: {where}; {_sglang_fix(top, rule, num_layers)}"))
     elif top is not None:
         if default is not None and top == default:
             out.append(_warn("layer_ids.sglang_default", f"no eagle_config ids: SGLang captures its default {default}, "
                              "which matches the top-level ids; write eagle_config to be explicit"))
         elif default is not None:
             out.append(_nogo("layer_ids.sglang_missing", f"no eagle_config ids: SGLang captures its default {default}, "
-                             f"not the top-level {top}; write eagle_config = {[t - 1 for t in top]}"))
+                             f"not the top-level {top}; {_sglang_fix(top, rule, num_layers)}"))
         else:
             out.append(_warn("layer_ids.sglang_missing", "no eagle_config ids: SGLang captures its default "
                              "[2, L//2, L-3]; target config unreachable, cannot compare"))
-    elif sg is not None:
+    elif captured is not None:
         out.append(_nogo("layer_ids.vllm_missing", f"only eagle_config ids {sg}: vLLM reads top-level "
                          "eagle_aux_hidden_state_layer_ids and otherwise uses its default, and versions that fall "
-                         "back to eagle_config use those ids without SGLang's +1 (one layer early); write "
-                         f"top-level = {[s + 1 for s in sg]}"))
-        out += _check_aux_ids([s + 1 for s in sg], num_layers, field_name="eagle_config ids + 1")
+                         "back to eagle_config take those ids as input-to-layer ids unchanged; write top-level = "
+                         f"{sorted(captured)} (what SGLang captures)"))
+        out += _check_aux_ids(captured, num_layers, field_name="the ids SGLang captures from eagle_config")
     else:
         out.append(_warn("layer_ids.implicit", "no layer id fields: vLLM and SGLang both use the default "
                          f"[2, L//2, L-3]{f' = {default}' if default else ''}; right only if the drafter was trained "
@@ -727,7 +919,7 @@ def check_export(directory: str | Path, *, target_config: Mapping[str, Any] | st
             problems.append(_nogo(f"config.{label}", f"config has no {label}; {why}"))
     facts["norm_before_residual"] = config.get("norm_before_residual")
 
-    target, source = _target_layers(d, config, fmt, target_config)
+    target, source, target_whole = _target_layers(d, config, fmt, target_config)
     num_layers = target.get("num_hidden_layers") if target else None
     facts["target"] = {"num_hidden_layers": num_layers, "source": source} if target else "unreachable"
 
@@ -784,7 +976,7 @@ def check_export(directory: str | Path, *, target_config: Mapping[str, Any] | st
         if dt is not None and dt.is_floating_point and not bool(torch.isfinite(ckpt.load(shown[ours])).all()):
             problems.append(_nogo(f"values.{shown[ours]}", f"{shown[ours]} has non-finite values"))
 
-    problems += _check_layer_ids(config, fmt, num_layers, facts)
+    problems += _check_layer_ids(config, fmt, num_layers, facts, sglang_rule(target_whole))
     return report
 
 
