@@ -35,9 +35,10 @@ def test_default_aux_ids_are_three_distinct_inputs_of_the_stack(L):
 def test_default_aux_ids_known_values():
     assert default_aux_layer_ids(30) == [2, 15, 27]  # SmolLM2-135M
     assert default_aux_layer_ids(61) == [2, 30, 58]  # DeepSeek-V3 / Kimi-K2
-    assert default_aux_layer_ids(6) == [1, 3, 5]  # the engines' formula repeats 3 here: [2, 3, 3]
+    assert default_aux_layer_ids(6) == [2, 3, 5]  # the engines' formula repeats 3 here: [2, 3, 3]
     assert engine_default_aux_layer_ids(6) == [2, 3, 3]
-    assert default_aux_layer_ids(4) == [1, 2, 3] and default_aux_layer_ids(3) == [0, 1, 2]
+    assert default_aux_layer_ids(5) == [2, 3, 4] and default_aux_layer_ids(4) == [2, 3, 4]
+    assert default_aux_layer_ids(3) == [0, 1, 2]
     for L in (0, 1, 2):
         with pytest.raises(ValueError, match="aux_layer_ids"):
             default_aux_layer_ids(L)
@@ -102,7 +103,7 @@ def test_the_in_process_target_is_a_feature_source_and_refuses_bad_ids(tmp_path)
 
 def test_extract_train_and_export_agree_on_the_ids_of_a_small_target(tmp_path):
     """A 6-layer target, where the engines' formula [2, 3, 3] would repeat an id: `specops run` to
-    export, and every phase records the same ids, the default's [1, 3, 5], which export --check
+    export, and every phase records the same ids, the default's [2, 3, 5], which export --check
     accepts against the target."""
     from specops.drafter.export import check_export
     from specops.pipeline import run_all
@@ -117,7 +118,7 @@ def test_extract_train_and_export_agree_on_the_ids_of_a_small_target(tmp_path):
     run_all(cfg, stop="export", progress=False)
     camp = tmp_path / "camp"
     want = default_aux_layer_ids(6)
-    assert want == [1, 3, 5]
+    assert want == [2, 3, 5]
     assert json.loads((camp / "features" / "train" / "index.json").read_text())["aux_layer_ids"] == want
     ckpts = sorted((camp / "drafter" / "checkpoints").glob("step-*"))
     assert json.loads((ckpts[-1] / "drafter_config.json").read_text())["aux_layer_ids"] == want

@@ -744,7 +744,7 @@ def test_overfit_loss_falls_and_tau_near_k_plus_1(tiny, tmp_path):
     m = c.read_manifest()["phases"]["train"]
     assert m["state"] == "done" and m["tau"] == val["tau"]
     drafter_manifest = json.loads((camp / "drafter" / "manifest.json").read_text())["train"]
-    assert drafter_manifest["conventions"]["aux_layer_ids"] == default_aux_layer_ids(6) == [1, 3, 5]
+    assert drafter_manifest["conventions"]["aux_layer_ids"] == default_aux_layer_ids(6) == [2, 3, 5]
     # the final checkpoint loads on its own and carries the campaign's vocab
     ck = Path(summary["checkpoint"])
     assert ck.name == "step-150"
@@ -779,7 +779,7 @@ def test_default_online_features_fn_is_the_target(tiny):
     from specops.drafter.train import target_features_fn
 
     fn = target_features_fn(tiny["target"], torch.device("cpu"))
-    assert fn.aux_layer_ids == default_aux_layer_ids(6) == [1, 3, 5]
+    assert fn.aux_layer_ids == default_aux_layer_ids(6) == [2, 3, 5]
     seqs = [ids for ids, _ in tiny["val"][:3]]
     assert len({len(s) for s in seqs}) > 1  # right padding is exercised
     out = fn(seqs)

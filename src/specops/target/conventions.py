@@ -70,16 +70,17 @@ def engine_default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
 def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
     """specops' default three aux ids for a target of L decoder layers; exports always write them.
 
-    L >= 7: the engines' default (`engine_default_aux_layer_ids`). 4 <= L <= 6: [1, L//2, L-1];
-    3: [0, 1, 2]. The engines' formula repeats or leaves the range there (L = 6 gives [2, 3, 3]),
-    and vLLM's hidden-state capture fails on repeated ids, so small stacks get three distinct
-    inputs of real layers spread over the depth.
+    L >= 7: the engines' default (`engine_default_aux_layer_ids`). 4 <= L <= 6: [2, 3, max(L-1, 4)];
+    L = 3: [0, 1, 2]. The engines' formula repeats an id there (L = 6 gives [2, 3, 3]), and vLLM's
+    hidden-state capture fails on repeated ids, so small stacks get three distinct ids. They start at
+    2 where the stack allows it: SGLang's DeepSeek-family models cannot be given a first id of 1
+    (drafter/export.py, "Layer ids"). At L = 4 the last id is 4, the last layer's output.
     """
     L = int(num_hidden_layers)
     if L >= 7:
         return engine_default_aux_layer_ids(L)
     if L >= 4:
-        return [1, L // 2, L - 1]
+        return [2, 3, max(L - 1, 4)]
     if L == 3:
         return [0, 1, 2]
     raise ValueError(f"a target of {L} layer(s) has no three distinct aux layers: set aux_layer_ids")
