@@ -721,10 +721,17 @@ def test_eval_worker_killed_fails_the_eval_and_ends_the_others(tmp_path, chat_ta
     assert_failed_cleanly(camp, seen)
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+# Waits on a condition, with deadlines far past an unloaded machine's times (models loaded and a
+# worker ready in ~5 s alone, ~90 s at load average 11), so that a busy machine only makes them slower.
+LOADED_S = 600.0
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGINT-ignored-at-start"])
 def test_eval_cli_signal_ends_every_worker(tmp_path, chat_target, eval_drafter, sig):
     """`specops eval --workers 2`, then, once a worker is ready, SIGTERM (specops stop) or SIGINT
-    (Ctrl-C) to the eval process: it exits 130, the phase is marked failed, no worker is left."""
+    (Ctrl-C) to the eval process: it exits 130, the phase is marked failed, no worker is left. The
+    same when the eval starts with SIGINT ignored, as a shell without job control starts `cmd &`
+    (Python keeps an inherited SIG_IGN; left so, Ctrl-C would do nothing and the eval run on)."""
     import signal
     import subprocess
     import sys
@@ -732,18 +739,20 @@ def test_eval_cli_signal_ends_every_worker(tmp_path, chat_target, eval_drafter, 
     cfg, camp = write_campaign(tmp_path / "c", chat_target, TRAIN_SET, EVAL_SETS, limit=3,
                                max_new_tokens=256)
     log_path = tmp_path / "stderr.log"
+    ignored = sig.endswith("-ignored-at-start")
     with open(log_path, "w") as log_file:
         p = subprocess.Popen([sys.executable, "-m", "specops", "eval", str(camp.root), "--drafter",
-                              str(eval_drafter), "--workers", "2"], stdout=subprocess.DEVNULL, stderr=log_file)
+                              str(eval_drafter), "--workers", "2"], stdout=subprocess.DEVNULL, stderr=log_file,
+                             preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None)
     try:
-        pids = _worker_pids(camp)
+        pids = _worker_pids(camp, timeout=LOADED_S)
         assert camp.read_manifest()["phases"]["eval"]["workers"] == 2  # the CLI override reached the eval
-        deadline = time.time() + 60
+        deadline = time.time() + LOADED_S
         while " ready: " not in log_path.read_text():  # a worker has loaded the models
             assert time.time() < deadline and p.poll() is None, log_path.read_text()[-2000:]
             time.sleep(0.05)
-        p.send_signal(getattr(signal, sig))
-        p.wait(timeout=60)
+        p.send_signal(getattr(signal, sig.split("-")[0]))
+        p.wait(timeout=LOADED_S)  # ending the workers takes seconds; the whole eval, unstopped, ~40 s alone
     finally:
         if p.poll() is None:
             p.kill()

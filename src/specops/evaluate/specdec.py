@@ -1299,6 +1299,8 @@ def main(argv: list[str] | None = None) -> int:
                     "> 1: tau only, baseline off, one worker)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if threading.current_thread() is threading.main_thread():  # Ctrl-C stops even if started ignoring it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         camp = Campaign(args.campaign)
         if not camp.config_path.is_file():
