@@ -118,18 +118,31 @@ def test_bucketed_plans_fit_the_padded_budget():
         assert len(b) * max(bucketed(lengths, 64)[i] for i in b) <= 800 or len(b) == 1
 
 
+def _fp32_loss_bound(cfg: dict) -> float:
+    """The relative gap between two fp32 evaluations of one step's loss that sum its terms in another
+    order: at most n u for n nonnegative terms (u = 2^-24), n = batch_tokens x ttt_steps token CEs.
+    Both runs update the weights in fp32 (AdamW, Muon with an fp32 Newton-Schulz step), so the
+    round-off gap between their weights stays of that order too; a bf16 step would re-round the
+    update to 2^-8 wherever the two gradients straddle a bf16 rounding boundary, and the curves part
+    by far more than any bound on a CPU's fp32 sums."""
+    return cfg["batch_tokens"] * cfg["ttt_steps"] * 2.0**-24
+
+
 def _eager_and_static_runs(tiny, tmp_path, common: dict, static_extra: dict, min_steps: int):
     """Train the same campaign with the selecting step (cuda_graphs off) and the static one (on; on
-    the CPU it runs eagerly); both curves must match step by step. Returns both summaries."""
+    the CPU it runs eagerly); both curves must match step by step, within fp32 round-off of the loss
+    (_fp32_loss_bound). Returns both summaries."""
+    common = {**common, "muon_ns_dtype": "float32"}
     eager = seed_campaign(tiny, tmp_path, {**common, "cuda_graphs": False}, name="eager")
     static = seed_campaign(tiny, tmp_path, {**common, "cuda_graphs": True, **static_extra}, name="static")
     s_e = run_train(load_config(tmp_path / "eager.toml"), eager)
     s_s = run_train(load_config(tmp_path / "static.toml"), static)
     a, b = metrics(eager.root), metrics(static.root)
     assert len(a) == len(b) == s_e["total_steps"] >= min_steps
+    rel = _fp32_loss_bound(common)
     for ra, rb in zip(a, b):
         assert ra["tokens"] == rb["tokens"]
-        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4), ra["step"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=rel, abs=0), ra["step"]
     return s_e, s_s
 
 

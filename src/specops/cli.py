@@ -477,8 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (`specops stop`, a scheduler, kill) stops like Ctrl-C from the first instruction on,
     # unwinding every `finally` (locks, temp files): phases that handle it themselves (generate's
     # graceful stop, serve) install their own handlers while they run and put this one back.
+    # SIGINT is set too: Python leaves a SIGINT ignored at its start ignored (a shell without job
+    # control ignores it for `cmd &`, and children inherit that), and Ctrl-C must still stop (130).
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return args.func(args)
     except SpecopsError as e:

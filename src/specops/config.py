@@ -242,6 +242,9 @@ class TrainSection:
     init_norm_from_target: bool = False
     # "muon": torch.optim.Muon on the layer's matrices and fc, AdamW on the rest (drafter/optim.py)
     optimizer: Literal["adamw", "muon"] = "muon"
+    # The dtype of Muon's Newton-Schulz matmuls (15 per matrix per step). auto: bfloat16 on CUDA,
+    # float32 elsewhere (a CPU without native bf16 multiplies bf16 matrices several times slower).
+    muon_ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     lr_schedule: Literal["cosine", "linear"] = "linear"  # after warm-up, down to lr * min_lr_ratio
     norm_before_residual: bool = False
     device: str = "auto"  # auto: cuda:<LOCAL_RANK> if available else cpu

@@ -1,11 +1,14 @@
 """The drafter's optimizer and learning-rate schedule (train.optimizer, train.lr_schedule).
 
 "adamw": one AdamW over every trainable parameter (weight decay on the matrices).
-"muon": torch.optim.Muon on the decoder layer's matrices and `fc` (orthogonalised Nesterov momentum,
-its step scaled to AdamW's update size so the same lr fits both: `adjust_lr_fn="match_rms_adamw"`),
-AdamW on the rest (the norms, and lm_head when it trains; Muon is meant for hidden matrices, not
-embeddings or output heads). Session 9 found the speculators trainer, which reached a higher tau than
-ours on the same data and step count, trains this way (bench/quality/README.md, "Session 9").
+"muon": Muon on the decoder layer's matrices and `fc` (orthogonalised Nesterov momentum, its step
+scaled to AdamW's update size so the same lr fits both: `adjust_lr_fn="match_rms_adamw"`), AdamW on
+the rest (the norms, and lm_head when it trains; Muon is meant for hidden matrices, not embeddings or
+output heads). The speculators trainer trains this way (bench/quality/README.md).
+
+Muon here is torch.optim.Muon with the Newton-Schulz orthogonalisation run in a chosen dtype
+(train.muon_ns_dtype): torch's casts to bf16, fast on CUDA but slow on a CPU without native bf16
+matmul, where it dominates the step.
 
 Both optimizers of the "muon" form step, zero and checkpoint together (`OptimizerSet`), each under
 its own LambdaLR with the same schedule (`SchedulerSet`).
@@ -17,6 +20,7 @@ import math
 from typing import Any, Callable
 
 import torch
+from torch import Tensor
 
 from ..errors import ConfigError
 
@@ -36,6 +40,81 @@ def lr_lambda(warmup: int, total: int, min_ratio: float, shape: str = "cosine") 
         return min_ratio + (1 - min_ratio) * left
 
     return f
+
+
+NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def muon_ns_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """train.muon_ns_dtype for parameters on `device`. "auto": bf16 on CUDA (tensor cores, torch's
+    choice), fp32 elsewhere: a CPU without native bf16 matmul (AVX2, no avx512_bf16 or AMX) runs a
+    bf16 GEMM about 5x slower than an fp32 one (bench/muon_ns.py), and fp32 only rounds less."""
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if choice not in NS_DTYPES:
+        raise ConfigError(f"train.muon_ns_dtype: expected 'auto', 'float32' or 'bfloat16', got {choice!r}")
+    return NS_DTYPES[choice]
+
+
+def newton_schulz(g: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> Tensor:
+    """Muon's quintic Newton-Schulz map of the 2-D `g` towards its polar factor U V^T (g = U S V^T),
+    computed in `dtype`; `g` is left as it was. The iteration X <- a X + (b A + c A^2) X, A = X X^T,
+    maps each singular value s to a s + b s^3 + c s^5; the coefficients trade exact convergence for a
+    steep slope at 0, so after a few steps the singular values sit near 1 (roughly 0.7..1.2), not on it.
+    Cost per step, g of [m, n] with m <= n (a tall g is worked on transposed): 2 m^2 n + m^3 multiply-adds."""
+    a, b, c = coefficients
+    x = g.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T  # the smaller Gram matrix: [min, min]
+    x = x / x.norm().clamp(min=eps)  # Frobenius norm >= spectral norm: every singular value in [0, 1]
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def _lr_scale(rule: str | None, shape: torch.Size) -> float:
+    """Muon's per-matrix lr factor (adjust_lr_fn), for a [rows, cols] matrix: "match_rms_adamw" gives
+    the update AdamW's RMS (0.2 sqrt(max dim)); "original" (or None) sqrt(max(1, rows / cols))."""
+    rows, cols = shape[0], shape[1]
+    if rule == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols))
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon (same hyperparameters, param groups and state, so the same checkpoints) with
+    the Newton-Schulz step in `ns_dtype`. The dtype is an attribute, not a param-group entry: a
+    checkpoint resumed on another device takes that device's choice."""
+
+    def __init__(self, params: Any, *, ns_dtype: torch.dtype, **kw: Any) -> None:
+        super().__init__(params, **kw)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, mu, wd = float(group["lr"]), group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(g, 1 - mu)  # buf = mu buf + (1 - mu) g
+                update = g.lerp(buf, mu) if group["nesterov"] else buf
+                o = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+                p.mul_(1 - lr * wd)
+                p.add_(o, alpha=-lr * _lr_scale(group["adjust_lr_fn"], p.shape))
+        return loss
 
 
 class OptimizerSet:
@@ -105,8 +184,8 @@ def build_optimizer(model: torch.nn.Module, tc: Any, *, fused: bool, total_steps
     if not muon:
         raise ConfigError("train.optimizer = 'muon': the drafter has no trainable layer matrix")
     parts: dict[str, torch.optim.Optimizer] = {
-        "muon": torch.optim.Muon(muon, lr=tc.lr, weight_decay=tc.weight_decay, momentum=0.95, nesterov=True,
-                                 ns_steps=5, adjust_lr_fn="match_rms_adamw"),
+        "muon": Muon(muon, lr=tc.lr, weight_decay=tc.weight_decay, momentum=0.95, nesterov=True, ns_steps=5,
+                     adjust_lr_fn="match_rms_adamw", ns_dtype=muon_ns_dtype(tc.muon_ns_dtype, muon[0].device)),
     }
     if rest:
         parts["adamw"] = adamw(rest)

@@ -817,8 +817,9 @@ def _run_workers(cfg: Config, dpath: Path, items: list[dict[str, Any]], workers:
             raise EvalWorkerFailed(f"eval workers finished without results for conversations {missing[:10]}")
         return info, [results[it["index"]] for it in items]
     finally:
-        for p in procs:
+        for w, p in enumerate(procs):
             if p.poll() is None:
+                log.info("eval: ending worker %d (pid %d)", w, p.pid)
                 p.terminate()
         deadline = time.time() + 10.0
         for p in procs:
