@@ -65,3 +65,20 @@ def tiny_target(tmp_path_factory) -> Path:
     from builders import chat_llama
 
     return chat_llama(tmp_path_factory.mktemp("tiny") / "target")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A saved tiny target, its greedy sequences, and a features/ + build/ pair to copy into campaigns."""
+    from train_builders import greedy_sequences, load_target, make_target, write_build, write_features
+
+    root = tmp_path_factory.mktemp("tiny")
+    target_dir = make_target(root / "target")
+    model = load_target(target_dir)
+    train = greedy_sequences(model, 12, seed=1)
+    val = greedy_sequences(model, 4, seed=2)
+    data = root / "data"
+    write_features(model, train, data / "features" / "train")
+    write_features(model, val, data / "features" / "val")
+    write_build({"train": train, "val": val}, data / "build")
+    return {"target": target_dir, "model": model, "train": train, "val": val, "data": data}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from specops.drafter.export import ExportError, SglangRule, check_export, sglang_layer_ids, sglang_rule
-from test_export import AUX, TARGET, L, export, names
+from export_builders import AUX, TARGET, L, export, names
 
 # ---------------------------------------------------------------------------------------------
 # SGLang, simulated

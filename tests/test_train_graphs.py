@@ -18,7 +18,7 @@ from specops.drafter.model import DrafterConfig, Eagle3Drafter
 from specops.drafter.train import Sample, Teacher, bucketed, collate, linear_soft_ce, make_batches, run_train, teacher_targets, ttt_forward, ttt_forward_static
 from specops.target.inprocess import TargetHead
 
-from test_train import BASE, _packed_batch, metrics, seed_campaign, tiny  # noqa: F401 (tiny: a fixture)
+from train_builders import BASE, _packed_batch, metrics, seed_campaign
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

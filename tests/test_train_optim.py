@@ -18,7 +18,7 @@ from specops.drafter.optim import Muon, OptimizerSet, build_optimizer, lr_lambda
 from specops.drafter.train import run_train
 from specops.errors import ConfigError
 
-from test_train import BASE, metrics, seed_campaign, tiny  # noqa: F401 (tiny: a fixture)
+from train_builders import BASE, metrics, seed_campaign
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -224,7 +224,7 @@ def test_muon_ns_dtype_auto_is_fp32_on_the_cpu_and_bf16_on_cuda():
 
 
 def test_muon_ns_dtype_is_a_checked_train_key(tmp_path):
-    from test_train import make_campaign
+    from train_builders import make_campaign
 
     (tmp_path / "t").mkdir()
     make_campaign(tmp_path, tmp_path / "t", {"muon_ns_dtype": "bfloat16"}, name="ok")
