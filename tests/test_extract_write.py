@@ -9,7 +9,6 @@ import ctypes
 import errno
 import json
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -231,18 +230,3 @@ def test_write_path_benchmark_runs_and_reports(tmp_path, repo):
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # its scratch directory is removed
 
 
-def test_shard_digest_is_the_sha256_of_its_pieces_digests(tmp_path, monkeypatch):
-    """features.shard_digest equals the independent definition (builders.digest) for pieces that
-    divide the file, that do not, one piece for all, reads smaller than a piece, and an empty file."""
-    import hashlib
-
-    f = tmp_path / "x"
-    f.write_bytes(os.urandom(10_007))
-    for unit in (1000, 4096, 10_007, 1 << 20):
-        assert features.shard_digest(f, unit=unit) == digest(f, unit=unit), unit
-    monkeypatch.setattr(features, "_READ_CHUNK", 300)  # several reads per piece
-    assert features.shard_digest(f, unit=1000) == digest(f, unit=1000)
-    assert features.shard_digest(f, unit=1000) != hashlib.sha256(f.read_bytes()).hexdigest()
-    e = tmp_path / "e"
-    e.write_bytes(b"")
-    assert features.shard_digest(e) == hashlib.sha256(hashlib.sha256(b"").digest()).hexdigest() == digest(e)
