@@ -131,12 +131,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           f"(log {camp.run_dir / f'serve-{cfg.serve.port}.log'})", file=sys.stderr, flush=True)
     srv = serve.start(cfg, camp, on_poll=serve.follow_log())
     print(f"ready in {srv.startup_s:.1f}s: {srv.url} (process group {srv.pgid})", flush=True)
+    from .campaign import read_json
     from .checks.server import check_endpoint_sync
 
-    rep = check_endpoint_sync(srv.url, expected_model=srv.served_name, progress_window_s=0.5)
+    info = read_json(camp.run_dir / f"serve-{cfg.serve.port}.json") or {}
+    for k, v in (info.get("env_added") or {}).items():
+        print(f"server environment: {k}={v}", file=sys.stderr, flush=True)
+    if info.get("drafter"):
+        d = info["drafter"]
+        print(f"drafter: {d['path']} ({d['format']} format, {d['num_speculative_tokens']} speculative tokens"
+              f"{', served as the model' if d['served_as_model'] else ''})", flush=True)
+    # With a drafter the health check includes the drafter tier: its counters must move and accept.
+    rep = check_endpoint_sync(srv.url, expected_model=srv.served_name, progress_window_s=0.5,
+                              drafter=cfg.serve.drafter is not None)
     from rich.console import Console
 
     Console(stderr=True).print(rep.render())
+    tier = next((t for t in rep.tiers if t.name == "drafter"), None)
+    if tier is not None:
+        print(f"drafter tier {tier.status}: {tier.evidence}", flush=True)
     if args.detach:
         print(f"left running; stop with: specops serve {args.config} --stop", flush=True)
         return rep.exit_code
