@@ -362,6 +362,108 @@ def test_cli_health_exit_codes(tmp_path):
                                "--window", "0.2", "--json"], capture_output=True, text=True, timeout=60)
         bad = subprocess.run([sys.executable, "-m", "specops", "health", "--url", srv.url, "--model", "m2",
                               "--window", "0.2"], capture_output=True, text=True, timeout=60)
+        no_drafter = subprocess.run([sys.executable, "-m", "specops", "health", "--url", srv.url, "--model", "m1",
+                                     "--window", "0.2", "--drafter", "--json"], capture_output=True, text=True,
+                                    timeout=60)
     assert good.returncode == 0, good.stderr
     assert [t["status"] for t in json.loads(good.stdout)[0]["tiers"]][:4] == ["pass"] * 4
+    # without --drafter the tier runs where the server shows spec-decode counters: none here
+    assert {t["name"]: t["status"] for t in json.loads(good.stdout)[0]["tiers"]}["drafter"] == "skip"
+    assert no_drafter.returncode == 2, no_drafter.stderr
+    tiers = {t["name"]: t for t in json.loads(no_drafter.stdout)[0]["tiers"]}
+    assert tiers["drafter"]["status"] == "fail" and "without speculative decoding" in tiers["drafter"]["evidence"]
     assert bad.returncode == 2 and "m2" in bad.stdout and "m1" in bad.stdout
+
+
+# ------------------------------------------------------------------------------------- drafter
+
+SPEC = {"reasoning_words": 0, "content_words": 100}  # 100-token answers: a 150-token probe takes two
+
+
+def test_drafter_tier_reports_acceptance_from_moving_counters(tmp_path):
+    script = {**SPEC, "spec_decode": {"k": 3, "accepted_per_draft": 1}}
+    with start_fake_server(tmp_path, script) as srv:
+        report = check(srv.url, drafter=True, drafter_probe_tokens=150)
+        logged = srv.requests(min_count=3)
+    assert [t.name for t in report.tiers] == ["tcp", "health", "models", "completion", "drafter", "progress"]
+    tier = report.tier("drafter")
+    assert tier.status == "pass", tier.evidence
+    # 100 + 50 tokens, one accepted per draft: ceil(100/2) + ceil(50/2) = 75 drafts, 75 accepted
+    assert (tier.data["probe_tokens"], tier.data["probe_requests"]) == (150, 2)
+    assert (tier.data["drafts"], tier.data["accepted"], tier.data["draft_tokens"]) == (75, 75, 225)
+    assert tier.data["acceptance"] == 2.0 and tier.data["per_position"] == [1.0, 0.0, 0.0]
+    assert tier.evidence.startswith("acceptance 2.00 (1 + 75 accepted / 75 drafts) over a probe of 150 "
+                                    "generated tokens (2 requests); per position 1.00, 0.00, 0.00")
+    assert [r["sample"] for r in logged] == [PROBE_SAMPLE] * 3  # the completion tier's probe, then two
+    assert report.exit_code == 0 and "drafter" in rendered(report)
+
+
+def test_drafter_that_accepts_nothing_fails(tmp_path):
+    script = {**SPEC, "spec_decode": {"k": 3, "accepted_per_draft": 0}}
+    with start_fake_server(tmp_path, script) as srv:
+        report = check(srv.url, drafter=True, drafter_probe_tokens=40)
+    tier = report.tier("drafter")
+    assert tier.status == "fail" and report.exit_code == 2
+    assert tier.evidence == ("the drafter accepted nothing over a probe of 40 generated tokens (1 request): 0 of "
+                             "120 draft tokens in 40 drafts (acceptance 1.00): it does not predict this target")
+    assert report.tier("progress").status == "pass"  # independent of the drafter
+
+
+def test_drafter_counters_that_do_not_move_fail(tmp_path):
+    script = {**SPEC, "spec_decode": {"k": 3, "accepted_per_draft": 2, "frozen": True}}
+    with start_fake_server(tmp_path, script) as srv:
+        report = check(srv.url, drafter=True, drafter_probe_tokens=40)
+    tier = report.tier("drafter")
+    assert tier.status == "fail"
+    assert tier.evidence == ("the drafter's counters did not move over a probe of 40 generated tokens (1 request): "
+                             "vllm:spec_decode_num_drafts_total stayed at 0")
+
+
+def test_server_without_spec_decode_fails_only_when_a_drafter_is_expected(tmp_path):
+    with start_fake_server(tmp_path, SPEC) as srv:
+        expected = check(srv.url, drafter=True)
+        auto = check(srv.url, drafter=None)
+        logged = srv.requests(min_count=2)
+        off = check(srv.url)
+    tier = expected.tier("drafter")
+    assert tier.status == "fail" and expected.exit_code == 2
+    assert "a drafter is expected but /metrics has no vllm:spec_decode_num_drafts_total" in tier.evidence
+    assert "without speculative decoding" in tier.evidence
+    assert auto.tier("drafter").status == "skip" and auto.exit_code == 0
+    assert len(logged) == 2  # the completion probes only: no drafter probe without counters
+    assert "drafter" not in {t.name for t in off.tiers}
+    with start_fake_server(tmp_path / "m", {"metrics_status": 404}) as srv:
+        gone = check(srv.url, drafter=True)
+    assert gone.tier("drafter").status == "fail" and "no /metrics" not in gone.tier("drafter").evidence
+    assert "/metrics HTTP 404" in gone.tier("drafter").evidence
+
+
+def test_drafter_tier_chain_and_bad_arguments(tmp_path):
+    report = check(f"http://127.0.0.1:{free_port()}/v1", drafter=True)
+    assert statuses(report) == {"tcp": "fail", "health": "skip", "models": "skip", "completion": "skip",
+                                "drafter": "skip", "progress": "skip"}
+    with start_fake_server(tmp_path, {**SPEC, "completions_fail": 500,
+                                      "spec_decode": {"k": 2, "accepted_per_draft": 1}}) as srv:
+        failed = check(srv.url, drafter=True)
+    assert failed.tier("drafter").status == "skip" and "completion failed" in failed.tier("drafter").evidence
+    with pytest.raises(ValueError, match="drafter_probe_tokens"):
+        check("http://127.0.0.1:1/v1", drafter=True, drafter_probe_tokens=0)
+
+
+def test_spec_decode_counters_sum_engines_and_positions():
+    from specops.checks.server import spec_decode_from_text
+
+    text = "\n".join([
+        '# TYPE vllm:spec_decode_num_drafts_total counter',
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+        'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0',
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 7.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="m"} 2.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 5.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="0"} 1.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 3.0',
+    ])
+    c = spec_decode_from_text(text)
+    assert (c.drafts, c.accepted, c.draft_tokens, c.per_position) == (15.0, 9.0, None, {0: 6.0, 1: 3.0})
+    assert spec_decode_from_text('vllm:generation_tokens_total{engine="0"} 3.0') is None

@@ -92,3 +92,151 @@ def test_server_argv_for_vllm_and_sglang(tmp_path):
                               "--served-model-name", "kimi-k2", "--host", "127.0.0.1", "--port", "8001",
                               "--tp-size", "8", "--dp-size", "2", "--context-length", "32768",
                               "--reasoning-parser", "kimi", "--tool-call-parser", "kimi_k2", "--x"]
+
+
+# ------------------------------------------------------------------------------ serving a drafter
+
+
+@pytest.fixture(scope="module")
+def tiny_exports(tmp_path_factory):
+    """A tiny Llama target and a random drafter for it, exported in both formats into a campaign's
+    drafter/export/ (speculators: 5 speculative tokens, the verifier the target's directory)."""
+    import json
+
+    from builders import AUX, debug_drafter, make_target
+
+    from specops.drafter.export import export_speculators, export_vllm
+
+    root = tmp_path_factory.mktemp("drafter")
+    target = make_target(root / "target")
+    hf = json.loads((target / "config.json").read_text())
+    d = debug_drafter(96)
+    kw = dict(target_config=hf, aux_layer_ids=AUX, target_name_or_path=str(target))
+    exports = root / "camp" / "drafter" / "export"
+    export_vllm(d.state_dict(), d.config.to_dict(), exports / "vllm", **kw)
+    export_speculators(d.state_dict(), d.config.to_dict(), exports / "speculators", speculative_tokens=5, **kw)
+    return {"root": root, "target": target, "exports": exports, "drafter": d}
+
+
+def drafter_cfg(tiny_exports, engine="vllm", **serve):
+    from specops.config import config_from_dict
+
+    return config_from_dict({"campaign": {"name": "c", "dir": str(tiny_exports["root"] / "camp")},
+                             "target": {"model": str(tiny_exports["target"]), "served_name": "t"},
+                             "serve": {"engine": engine, "python": "py", "port": 8001, "gpus": [], **serve},
+                             "datasets": [{"name": "x", "source": "gsm8k"}]})
+
+
+def test_server_argv_with_a_drafter(tiny_exports):
+    import json
+
+    from specops.serve import resolve_drafter, server_argv
+
+    target, exports = tiny_exports["target"], tiny_exports["exports"]
+    head = ["py", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    tail = ["--served-model-name", "t", "--host", "127.0.0.1", "--port", "8001", "--tensor-parallel-size", "1"]
+    # the campaign's vLLM-format export, k = eval.k (7) by default
+    argv = server_argv(drafter_cfg(tiny_exports, drafter="export"), target)
+    assert argv[:-2] == head + [str(target)] + tail and argv[-2] == "--speculative-config"
+    assert argv[-1] == '{"method":"eagle3","model":"%s","num_speculative_tokens":7}' % (exports / "vllm")
+    cfg = drafter_cfg(tiny_exports, drafter=str(exports / "vllm"), num_speculative_tokens=3, extra_args=["--x"])
+    assert json.loads(server_argv(cfg, target)[-2]) == {"method": "eagle3", "model": str(exports / "vllm"),
+                                                        "num_speculative_tokens": 3}
+    assert server_argv(cfg, target)[-1] == "--x"  # extra_args stay last
+    # the speculators export is served as the model; k from the export unless [serve] sets it
+    spec = drafter_cfg(tiny_exports, drafter="export:speculators")
+    d = resolve_drafter(spec, target)
+    assert (d.format, d.k, d.as_model, d.path) == ("speculators", 5, True, exports / "speculators")
+    assert server_argv(spec, target) == head + [str(exports / "speculators")] + tail + [
+        "--speculative-config", '{"num_speculative_tokens":5}']
+    spec.serve.num_speculative_tokens = 2
+    assert server_argv(spec, target)[-1] == '{"num_speculative_tokens":2}'
+
+
+def test_sglang_argv_with_a_drafter(tiny_exports):
+    from specops.errors import ConfigError
+    from specops.serve import server_argv
+
+    target, exports = tiny_exports["target"], tiny_exports["exports"]
+    argv = server_argv(drafter_cfg(tiny_exports, "sglang", drafter="export", num_speculative_tokens=4), target)
+    assert argv[:5] == ["py", "-m", "sglang.launch_server", "--model-path", str(target)]
+    assert argv[-10:] == ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(exports / "vllm"),
+                          "--speculative-num-steps", "4", "--speculative-eagle-topk", "1",
+                          "--speculative-num-draft-tokens", "5"]
+    with pytest.raises(ConfigError, match="SGLang's EAGLE-3 loader reads midlayer.* .* serve the vLLM-format export"):
+        server_argv(drafter_cfg(tiny_exports, "sglang", drafter="export:speculators"), target)
+
+
+def test_bad_drafters_are_refused_before_anything_starts(tiny_exports, tmp_path):
+    import json
+    import shutil
+
+    from builders import make_target
+
+    from specops.campaign import Campaign
+    from specops.config import config_from_dict
+    from specops.errors import ConfigError
+    from specops.serve import server_argv, start
+
+    target, exports = tiny_exports["target"], tiny_exports["exports"]
+    with pytest.raises(ConfigError, match=r"serve.drafter: .*export:foo.*expected one of export, export:vllm"):
+        drafter_cfg(tiny_exports, drafter="export:foo")
+    with pytest.raises(ConfigError, match="serve.num_speculative_tokens: must be > 0"):
+        drafter_cfg(tiny_exports, drafter="export", num_speculative_tokens=0)
+    with pytest.raises(ConfigError, match=r"no drafter directory at .*missing"):
+        server_argv(drafter_cfg(tiny_exports, drafter=str(tmp_path / "missing")), target)
+    empty = config_from_dict({"campaign": {"name": "c", "dir": str(tmp_path / "fresh")},
+                              "target": {"model": str(target)}, "serve": {"drafter": "export"},
+                              "datasets": [{"name": "x", "source": "gsm8k"}]})
+    with pytest.raises(ConfigError, match=r"drafter/export/vllm; run `specops export` first"):
+        server_argv(empty, target)
+    with pytest.raises(ConfigError, match="extra_args has --speculative-config .* give the drafter once"):
+        server_argv(drafter_cfg(tiny_exports, drafter="export", extra_args=["--speculative-config", "{}"]), target)
+
+    # another target (a wider vocab): the export's check names the mismatch
+    other = make_target(tmp_path / "other", vocab=128)
+    cfg = drafter_cfg(tiny_exports, drafter="export")
+    cfg.target.model = str(other)
+    with pytest.raises(ConfigError, match=r"fails its check against the target .*other.*vocab_size 96, target has 128"):
+        server_argv(cfg, other)
+    # a broken file: d2t maps two draft ids to one target id
+    broken = tmp_path / "broken"
+    shutil.copytree(exports / "vllm", broken)
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(broken / "model.safetensors"))
+    t["d2t"][1] = t["d2t"][0] - 1
+    save_file(t, str(broken / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"\[vocab.d2t_duplicates\]"):
+        server_argv(drafter_cfg(tiny_exports, drafter=str(broken)), target)
+    # a speculators export naming another verifier: vLLM would serve that model
+    spec = tmp_path / "spec"
+    shutil.copytree(exports / "speculators", spec)
+    c = json.loads((spec / "config.json").read_text())
+    c["speculators_config"]["verifier"]["name_or_path"] = str(other)
+    (spec / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ConfigError, match=r"names the verifier .*other.*not the target's model directory"):
+        server_argv(drafter_cfg(tiny_exports, drafter=str(spec)), target)
+
+    # start() refuses before launching: no log, no record, no process
+    cfg = drafter_cfg(tiny_exports, drafter=str(broken), python="/nonexistent/python")
+    camp = Campaign.create_or_open(cfg)
+    with pytest.raises(ConfigError, match="d2t_duplicates"):
+        start(cfg, camp)
+    assert not list(camp.run_dir.glob("serve-*"))
+
+
+def test_cpu_openmp_preload(tmp_path):
+    from specops.serve import cpu_openmp_preload
+
+    env = tmp_path / "venv"
+    (env / "bin").mkdir(parents=True)
+    py = str(env / "bin" / "python")
+    assert cpu_openmp_preload(py, {}) is None  # no libiomp5 in that environment
+    (env / "lib").mkdir()
+    (env / "lib" / "libiomp5.so").write_bytes(b"")
+    lib = str(env / "lib" / "libiomp5.so")
+    assert cpu_openmp_preload(py, {}) == lib
+    assert cpu_openmp_preload(py, {"LD_PRELOAD": "/x/libtcmalloc.so"}) == f"{lib}:/x/libtcmalloc.so"
+    for runtime in ("/opt/libiomp5.so", "/t/libgomp.so.1", "/l/libomp.so"):  # an OpenMP already chosen
+        assert cpu_openmp_preload(py, {"LD_PRELOAD": runtime}) is None

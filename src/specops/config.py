@@ -143,6 +143,15 @@ class ServeSection:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 1800.0
+    # The EAGLE-3 drafter to serve with the target: "export" (the campaign's drafter/export/vllm),
+    # "export:vllm", "export:speculators", or a drafter directory. Checked against the target
+    # (`specops export --check`) before the server starts. None: the target alone.
+    drafter: str | None = None
+    num_speculative_tokens: int | None = None  # default: a speculators export's own, else eval.k
+
+
+# serve.drafter values naming the campaign's own export: -> the format directory under drafter/export/.
+SERVE_DRAFTER_EXPORTS = {"export": "vllm", "export:vllm": "vllm", "export:speculators": "speculators"}
 
 
 @dataclass(kw_only=True)
@@ -577,8 +586,16 @@ def _validate(cfg: Config) -> None:
     sv = cfg.serve
     if not 0 < sv.port < 65536:
         raise ConfigError(f"serve.port: must be a TCP port, got {sv.port}")
-    for k in ("tensor_parallel_size", "data_parallel_size", "startup_timeout_s"):
+    for k in ("tensor_parallel_size", "data_parallel_size", "startup_timeout_s", "num_speculative_tokens"):
         _check_positive(getattr(sv, k), f"serve.{k}")
+    if sv.drafter is not None:
+        if sv.drafter.startswith("export:") and sv.drafter not in SERVE_DRAFTER_EXPORTS:
+            raise ConfigError(f"serve.drafter: {sv.drafter!r}: expected one of {', '.join(SERVE_DRAFTER_EXPORTS)} "
+                              "or a drafter directory")
+        if not sv.drafter.strip():
+            raise ConfigError("serve.drafter: empty; give \"export\", \"export:speculators\" or a drafter directory")
+        if sv.drafter not in SERVE_DRAFTER_EXPORTS:
+            sv.drafter = resolve(sv.drafter)  # existence is checked when the server starts
 
     if not cfg.datasets:
         raise ConfigError("datasets: at least one [[datasets]] entry is required")

@@ -9,6 +9,11 @@ Tiers, in order; each records latency and evidence text:
     completion  POST <base>/chat/completions, max_tokens=probe_max_tokens, temperature 0:
                 usage.completion_tokens > 0. Reasoning tokens count: a reasoning model cut by the
                 tiny budget answers content null, finish_reason "length" -- that is a pass.
+    drafter     (when a drafter is expected, or in "auto" when the server shows spec-decode
+                counters) /metrics, then greedy probe completions of drafter_probe_tokens generated
+                tokens in all, then /metrics again: vLLM's spec_decode counters must exist and
+                move, and the drafter must accept something. Evidence: the acceptance length
+                1 + accepted / drafts and the per-position acceptance rates over the probe.
     progress    /metrics read twice, progress_window_s apart: requests running while
                 generation_tokens_total stays flat is a stall
 
@@ -52,8 +57,24 @@ Status = Literal["pass", "warn", "fail", "skip", "unknown"]
 Flavor = Literal["auto", "vllm", "sglang"]
 FLAVORS = ("auto", "vllm", "sglang")
 TIERS = ("tcp", "health", "models", "completion", "progress")
+DRAFTER_TIER = "drafter"  # between completion and progress, when it runs
 PROBE_SAMPLE = "specops-health-probe"
 PROBE_PROMPT = "Reply with the single word: ready"
+# Long-form prompts for the drafter probe, sent in order until enough tokens were generated (an
+# answer may stop early at EOS). Greedy: the same server and drafter give the same figures.
+DRAFTER_PROBE_PROMPTS = (
+    "Write a short story about a lighthouse keeper.",
+    "Explain step by step how a bicycle works, part by part.",
+    "List twenty countries and the capital city of each.",
+)
+# vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py SpecDecodingProm), summed over
+# engines; per position: label position="i", i = 0..num_speculative_tokens-1.
+SPEC_DECODE_METRICS = {
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
+    "per_position": "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+}
 MASK = "***"
 MAX_LISTED_MODELS = 10
 STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim",
@@ -264,6 +285,43 @@ def metrics_from_text(text: str, flavor: Flavor = "auto") -> ServerMetrics:
         kv_cache_usage=first("kv_cache_usage", peak),
         flavor=flavor,  # type: ignore[arg-type]
     )
+
+
+@dataclass
+class SpecDecodeCounters:
+    """vLLM's spec-decode counters in one /metrics reading (summed over engines)."""
+
+    drafts: float
+    accepted: float
+    draft_tokens: float | None = None
+    per_position: dict[int, float] = field(default_factory=dict)  # position -> accepted tokens
+
+
+def _label(labels: str, key: str) -> str | None:
+    for part in labels.split(","):
+        k, _, v = part.partition("=")
+        if k.strip() == key:
+            return v.strip().strip('"')
+    return None
+
+
+def spec_decode_from_text(text: str) -> SpecDecodeCounters | None:
+    """The spec-decode counters of a /metrics body; None unless both the drafts and the accepted
+    tokens counters are there (a server started without a drafter exposes neither)."""
+    names = SPEC_DECODE_METRICS
+    found: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    for name, labels, value in _samples(text):
+        if name == names["per_position"]:
+            pos = _label(labels, "position")
+            if pos is not None and pos.isdigit():
+                per_pos[int(pos)] = per_pos.get(int(pos), 0.0) + value
+        elif name in (names["drafts"], names["accepted"], names["draft_tokens"]):
+            found[name] = found.get(name, 0.0) + value
+    if names["drafts"] not in found or names["accepted"] not in found:
+        return None
+    return SpecDecodeCounters(drafts=found[names["drafts"]], accepted=found[names["accepted"]],
+                              draft_tokens=found.get(names["draft_tokens"]), per_position=per_pos)
 
 
 async def read_server_metrics(session: aiohttp.ClientSession, root: str, *,
@@ -521,6 +579,116 @@ async def _completion_tier(session: aiohttp.ClientSession, ep: _Endpoint,
                       data)
 
 
+async def _metrics_text(session: aiohttp.ClientSession, ep: _Endpoint, headers: dict[str, str],
+                        timeout_s: float) -> tuple[str | None, str | None]:
+    """-> (/metrics body, None) or (None, why it could not be read)."""
+    try:
+        status, body, _ = await _get(session, ep.root + "/metrics", headers=headers, timeout_s=timeout_s)
+    except NET_ERRORS as e:
+        return None, f"/metrics: {_describe(e, timeout_s)}"
+    if status != 200:
+        return None, f"/metrics HTTP {status}{_excerpt_suffix(body)}"
+    return body.decode("utf-8", "replace"), None
+
+
+async def _drafter_tier(session: aiohttp.ClientSession, ep: _Endpoint, headers: dict[str, str],
+                        timeout_s: float, completion_timeout_s: float, expected_model: str,
+                        probe_tokens: int, required: bool) -> TierResult:
+    """Spec-decode counters before and after greedy probes of `probe_tokens` generated tokens.
+    Concurrent traffic adds to the counters too; the acceptance it shows is then the server's
+    over the window, which still says whether the drafter works."""
+    t0 = time.monotonic()
+    text, why = await _metrics_text(session, ep, headers, timeout_s)
+    if text is None:
+        if required:
+            return TierResult(DRAFTER_TIER, "fail", time.monotonic() - t0,
+                              f"a drafter is expected but {why}: its spec-decode counters cannot be read")
+        return _skip(DRAFTER_TIER, why or "no /metrics")
+    before = spec_decode_from_text(text)
+    if before is None:
+        flavor = metrics_from_text(text).flavor
+        if flavor == "sglang":
+            return TierResult(DRAFTER_TIER, "unknown", time.monotonic() - t0,
+                              "SGLang server: this tier reads vLLM's spec_decode counters only")
+        if required:
+            return TierResult(DRAFTER_TIER, "fail", time.monotonic() - t0,
+                              f"a drafter is expected but /metrics has no {SPEC_DECODE_METRICS['drafts']} / "
+                              f"{SPEC_DECODE_METRICS['accepted']}: the server runs without speculative decoding")
+        return _skip(DRAFTER_TIER, "no spec-decode counters in /metrics (no drafter)")
+
+    generated, requests = 0, 0
+    hdrs = {**headers, "Content-Type": "application/json", "X-Specops-Sample": PROBE_SAMPLE}
+    for prompt in DRAFTER_PROBE_PROMPTS:
+        if generated >= probe_tokens:
+            break
+        body = orjson.dumps({"model": expected_model, "messages": [{"role": "user", "content": prompt}],
+                             "max_tokens": probe_tokens - generated, "temperature": 0, "stream": False})
+        try:
+            status, raw, _ = await _request(session, "POST", ep.base + "/chat/completions", headers=hdrs,
+                                            timeout_s=completion_timeout_s, body=body)
+        except NET_ERRORS as e:
+            return TierResult(DRAFTER_TIER, "fail", time.monotonic() - t0,
+                              f"probe completion {requests + 1}: {_describe(e, completion_timeout_s)}")
+        requests += 1
+        if status != 200:
+            return TierResult(DRAFTER_TIER, "fail", time.monotonic() - t0,
+                              f"probe completion {requests}: HTTP {status}{_excerpt_suffix(raw)}")
+        try:
+            n = orjson.loads(raw)["usage"]["completion_tokens"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            n = None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            return TierResult(DRAFTER_TIER, "fail", time.monotonic() - t0,
+                              f"probe completion {requests}: no usage.completion_tokens: {_excerpt(raw)}")
+        generated += n
+
+    # The counters are recorded as the engine's outputs are processed, at the latest a moment
+    # after the answer: a flat first reading is read again before it counts as flat.
+    after = None
+    for attempt in range(4):
+        text, why = await _metrics_text(session, ep, headers, timeout_s)
+        if text is None:
+            return TierResult(DRAFTER_TIER, "fail", time.monotonic() - t0, f"after the probe, {why}")
+        after = spec_decode_from_text(text)
+        if after is None or after.drafts > before.drafts or attempt == 3:
+            break
+        await asyncio.sleep(0.5)
+    dt = time.monotonic() - t0
+    if after is None:
+        return TierResult(DRAFTER_TIER, "fail", dt, "the spec-decode counters disappeared from /metrics during "
+                          "the probe (server restarted?)")
+    drafts = after.drafts - before.drafts
+    accepted = after.accepted - before.accepted
+    draft_tokens = (after.draft_tokens - before.draft_tokens
+                    if after.draft_tokens is not None and before.draft_tokens is not None else None)
+    per_pos = {p: v - before.per_position.get(p, 0.0) for p, v in sorted(after.per_position.items())}
+    data: dict[str, Any] = {
+        "probe_tokens": generated, "probe_requests": requests, "drafts": drafts, "draft_tokens": draft_tokens,
+        "accepted": accepted, "drafts_total": after.drafts, "accepted_total": after.accepted,
+    }
+    probe = f"over a probe of {generated} generated tokens ({requests} request{'s' * (requests != 1)})"
+    if drafts < 0 or accepted < 0:
+        return TierResult(DRAFTER_TIER, "warn", dt, f"spec-decode counters went backwards {probe}: "
+                          "server restarted during the probe?", data)
+    if drafts == 0:
+        return TierResult(DRAFTER_TIER, "fail", dt, f"the drafter's counters did not move {probe}: "
+                          f"{SPEC_DECODE_METRICS['drafts']} stayed at {_num(after.drafts)}", data)
+    acceptance = 1 + accepted / drafts
+    data["acceptance"] = round(acceptance, 4)
+    if per_pos:
+        data["per_position"] = [round(v / drafts, 4) for v in per_pos.values()]
+    tokens = f" of {_num(draft_tokens)} draft tokens" if draft_tokens is not None else ""
+    if accepted == 0:
+        return TierResult(DRAFTER_TIER, "fail", dt, f"the drafter accepted nothing {probe}: 0{tokens} in "
+                          f"{_num(drafts)} drafts (acceptance 1.00): it does not predict this target", data)
+    evidence = (f"acceptance {acceptance:.2f} (1 + {_num(accepted)} accepted / {_num(drafts)} drafts) {probe}")
+    if not per_pos:
+        return TierResult(DRAFTER_TIER, "warn", dt, f"{evidence}; no per-position counters "
+                          f"({SPEC_DECODE_METRICS['per_position']})", data)
+    rates = ", ".join(f"{v:.2f}" for v in data["per_position"])
+    return TierResult(DRAFTER_TIER, "pass", dt, f"{evidence}; per position {rates}", data)
+
+
 async def _progress_tier(session: aiohttp.ClientSession, ep: _Endpoint,
                          headers: dict[str, str], timeout_s: float, window_s: float,
                          flavor: Flavor) -> TierResult:
@@ -595,14 +763,21 @@ async def _progress_tier(session: aiohttp.ClientSession, ep: _Endpoint,
 async def check_endpoint(url: str, *, expected_model: str, api_key: str | None = None,
                          timeout_s: float = 10.0, completion_timeout_s: float = 60.0,
                          progress_window_s: float = 3.0, probe_max_tokens: int = 8,
-                         flavor: Flavor = "auto",
+                         flavor: Flavor = "auto", drafter: bool | None = False,
+                         drafter_probe_tokens: int = 256,
                          session: aiohttp.ClientSession | None = None) -> HealthReport:
     """Run the tiers against `url` (ending in /v1). Costs one tiny completion and
-    `progress_window_s` of waiting. `session`: reuse a caller's session (it is not closed)."""
+    `progress_window_s` of waiting. `session`: reuse a caller's session (it is not closed).
+
+    `drafter`: True, the server must speculate (the drafter tier fails without spec-decode
+    counters); None, the tier runs when the counters are there; False, no drafter tier. The tier
+    costs `drafter_probe_tokens` generated tokens."""
     if flavor not in FLAVORS:
         raise ValueError(f"flavor must be one of {FLAVORS}, got {flavor!r}")
     if probe_max_tokens < 1:
         raise ValueError(f"probe_max_tokens must be >= 1, got {probe_max_tokens}")
+    if drafter_probe_tokens < 1:
+        raise ValueError(f"drafter_probe_tokens must be >= 1, got {drafter_probe_tokens}")
     ep = _Endpoint.parse(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     own = session is None
@@ -614,7 +789,7 @@ async def check_endpoint(url: str, *, expected_model: str, api_key: str | None =
         tiers = await _run_tiers(session, ep, headers, expected_model=expected_model,
                                  timeout_s=timeout_s, completion_timeout_s=completion_timeout_s,
                                  window_s=progress_window_s, max_tokens=probe_max_tokens,
-                                 flavor=flavor)
+                                 flavor=flavor, drafter=drafter, drafter_probe_tokens=drafter_probe_tokens)
     finally:
         if own:
             await session.close()
@@ -627,18 +802,23 @@ async def check_endpoint(url: str, *, expected_model: str, api_key: str | None =
 
 async def _run_tiers(session: aiohttp.ClientSession, ep: _Endpoint, headers: dict[str, str], *,
                      expected_model: str, timeout_s: float, completion_timeout_s: float,
-                     window_s: float, max_tokens: int, flavor: Flavor) -> list[TierResult]:
+                     window_s: float, max_tokens: int, flavor: Flavor, drafter: bool | None = False,
+                     drafter_probe_tokens: int = 256) -> list[TierResult]:
+    names = [*TIERS[:4], DRAFTER_TIER, TIERS[4]] if drafter is not False else list(TIERS)
     tcp = await _tcp_tier(ep, timeout_s)
     if tcp.status == "fail":
-        return [tcp, *(_skip(name, "tcp failed") for name in TIERS[1:])]
+        return [tcp, *(_skip(name, "tcp failed") for name in names[1:])]
     tiers = [tcp]
     broken: str | None = None  # the failed tier that the chain of later tiers depends on
-    steps = (
+    steps = [
         ("health", lambda: _health_tier(session, ep, headers, timeout_s, flavor)),
         ("models", lambda: _models_tier(session, ep, headers, timeout_s, expected_model)),
         ("completion", lambda: _completion_tier(session, ep, headers, completion_timeout_s,
                                                 expected_model, max_tokens)),
-    )
+    ]
+    if drafter is not False:
+        steps.append((DRAFTER_TIER, lambda: _drafter_tier(session, ep, headers, timeout_s, completion_timeout_s,
+                                                          expected_model, drafter_probe_tokens, drafter is True)))
     for name, step in steps:
         if broken is not None:
             tiers.append(_skip(name, f"{broken} failed"))

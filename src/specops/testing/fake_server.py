@@ -55,7 +55,12 @@ Script (--script, a file path or inline JSON). Either a list of rules, or an obj
       "metrics_status": 404,       # /metrics answers this status with no metrics
       "reasoning_words": 8,        # natural answer length (see Completions)
       "content_words": 24,
-      "max_model_len": 32768       # reported by /v1/models
+      "max_model_len": 32768,      # reported by /v1/models
+      "spec_decode": {"k": 3, "accepted_per_draft": 1, "frozen": false}
+                                   # vLLM's spec-decode counters in /metrics: each completion of n
+                                   # tokens counts ceil(n / (1 + a)) drafts of k tokens with
+                                   # a = accepted_per_draft (<= k) accepted at positions 0..a-1;
+                                   # "frozen": the counters are shown but never move
     }
 RULE:
     {"match": "regex",   # re.fullmatch on the X-Specops-Sample header ("" when absent); default ".*"
@@ -112,7 +117,7 @@ THINK = ("let", "me", "think", "about", "this", "step", "by", "step")
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 SCRIPT_KEYS = {"rules", "health_status", "models", "completions_fail", "freeze_metrics",
-               "metrics_status", "reasoning_words", "content_words", "max_model_len"}
+               "metrics_status", "reasoning_words", "content_words", "max_model_len", "spec_decode"}
 RULE_KEYS = {"match", "times", "every", "fault", "status", "message", "style", "retry_after",
              "seconds"}
 
@@ -155,6 +160,7 @@ class Script:
     reasoning_words: int = 8
     content_words: int = 24
     max_model_len: int = 32768
+    spec_decode: dict[str, Any] | None = None  # {"k", "accepted_per_draft", "frozen"}
 
 
 def _int(obj: dict[str, Any], key: str, default: Any, lo: int = 0) -> Any:
@@ -227,7 +233,18 @@ def parse_script(obj: Any) -> Script:
         reasoning_words=_int(obj, "reasoning_words", 8),
         content_words=_int(obj, "content_words", 24),
         max_model_len=_int(obj, "max_model_len", 32768, lo=1),
+        spec_decode=_spec_decode(obj.get("spec_decode")),
     )
+
+
+def _spec_decode(obj: Any) -> dict[str, Any] | None:
+    if obj is None:
+        return None
+    if not isinstance(obj, dict) or set(obj) - {"k", "accepted_per_draft", "frozen"}:
+        raise ValueError(f"script: 'spec_decode' must be an object with k, accepted_per_draft, frozen; got {obj!r}")
+    k = _int(obj, "k", 3, lo=1)
+    return {"k": k, "accepted_per_draft": min(k, _int(obj, "accepted_per_draft", 1)),
+            "frozen": bool(obj.get("frozen", False))}
 
 
 def load_script(text_or_path: str | None) -> Script:
@@ -289,6 +306,7 @@ class FakeServer:
         self.running = 0  # chat requests inside the server (generating, delayed or hung)
         self.prompt_tokens = 0
         self.gen_done = 0  # tokens of finished generations
+        self.spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": {}}  # spec_decode counters
         # id(request) -> (start monotonic, duration s, tokens): generations in progress
         self.gen_live: dict[int, tuple[float, float, int]] = {}
         self.gen_frozen: float | None = 0.0 if script.freeze_metrics else None
@@ -380,10 +398,23 @@ class FakeServer:
             ("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
              "_total", float(self.generation_tokens())),
         ]
+        sd = self.script.spec_decode
+        if sd is not None:
+            rows += [("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.", "_total",
+                      float(self.spec["drafts"])),
+                     ("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.", "_total",
+                      float(self.spec["draft_tokens"])),
+                     ("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.", "_total",
+                      float(self.spec["accepted"]))]
         lines = []
         for name, kind, help_, suffix, value in rows:
             lines += [f"# HELP {name}{suffix} {help_}", f"# TYPE {name}{suffix} {kind}",
                       f"{name}{suffix}{labels} {value!r}"]
+        if sd is not None:
+            name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+            lines += [f"# HELP {name} Accepted tokens per draft position.", f"# TYPE {name} counter"]
+            lines += [f'{name}{labels[:-1]},position="{i}"}} {float(self.spec["per_pos"].get(i, 0))!r}'
+                      for i in range(sd["k"])]
         return web.Response(text="\n".join(lines) + "\n",
                             content_type="text/plain", charset="utf-8")
 
@@ -455,6 +486,7 @@ class FakeServer:
         answer, n_prompt, n_completion = self._complete(body, model, n)
         self.prompt_tokens += n_prompt
         await self._generate(id(request), n_completion)
+        self._count_drafts(n_completion)
         payload = json.dumps(answer).encode()
 
         if rule is not None and rule.fault == "disconnect":
@@ -495,6 +527,18 @@ class FakeServer:
         finally:
             del self.gen_live[key]
             self.gen_done += tokens
+
+    def _count_drafts(self, tokens: int) -> None:
+        sd = self.script.spec_decode
+        if sd is None or sd["frozen"] or tokens == 0:
+            return
+        a = sd["accepted_per_draft"]
+        drafts = -(-tokens // (1 + a))
+        self.spec["drafts"] += drafts
+        self.spec["draft_tokens"] += drafts * sd["k"]
+        self.spec["accepted"] += drafts * a
+        for i in range(a):
+            self.spec["per_pos"][i] = self.spec["per_pos"].get(i, 0) + drafts
 
     def _complete(self, body: dict[str, Any], model: str, n: int) -> tuple[dict[str, Any], int, int]:
         """Deterministic answer -> (chat.completion dict, prompt tokens, completion tokens)."""
