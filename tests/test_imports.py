@@ -26,7 +26,7 @@ PHASES = {
     "eval": "specops.evaluate",
 }
 # Who may import a phase: the orchestration layer above all phases.
-ORCHESTRATION = {"specops.cli", "specops.pipeline", "specops.__main__", "specops.runctl", "specops.status"}
+ORCHESTRATION = {"specops.cli", "specops.pipeline", "specops.__main__", "specops.runctl", "specops.status", "specops.serve"}
 
 
 def module_names(src: Path) -> dict[str, Path]:
