@@ -12,7 +12,10 @@ Gradients are random; the step's time does not depend on their values.
 What a bf16 GEMM costs on a CPU depends on the kernels torch picks, so compare like with like:
   ATEN_CPU_CAPABILITY=avx2       ATen's own kernels at AVX2 (oneDNN is not affected by it)
   ONEDNN_MAX_CPU_ISA=AVX2        oneDNN's GEMMs without avx512_bf16/AMX, as on an AVX2-only CPU
-  --no-mkldnn                    no oneDNN at all: bf16 GEMMs on ATen's fallback kernel
+  --no-mkldnn                    no oneDNN at all: bf16 GEMMs on ATen's fallback kernel, which is
+                                 what torch uses on a CPU without AVX-512 (its oneDNN bf16 check fails)
+  MKL_ENABLE_INSTRUCTIONS=AVX2   MKL's fp32 GEMMs without AVX-512
+An AVX2-only CPU is closest to all of: ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 --no-mkldnn.
 """
 
 from __future__ import annotations
@@ -89,7 +92,8 @@ def main() -> None:
     device = torch.device(a.device)
     res = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"), "mkldnn": torch.backends.mkldnn.enabled,
+           "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+           "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS"), "mkldnn": torch.backends.mkldnn.enabled,
            "runs": [time_steps(dt, device, a.steps) for dt in ("bfloat16", "float32")]}
     bf16, f32 = (r["median_s"] for r in res["runs"])
     res["bf16_over_fp32"] = bf16 / f32

@@ -252,7 +252,7 @@ class TrainSection:
     # "muon": torch.optim.Muon on the layer's matrices and fc, AdamW on the rest (drafter/optim.py)
     optimizer: Literal["adamw", "muon"] = "muon"
     # The dtype of Muon's Newton-Schulz matmuls (15 per matrix per step). auto: bfloat16 on CUDA,
-    # float32 elsewhere (a CPU without native bf16 multiplies bf16 matrices several times slower).
+    # float32 elsewhere (on a CPU without AVX-512 the bf16 step is ~10x slower: bench/muon_ns.py).
     muon_ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     lr_schedule: Literal["cosine", "linear"] = "linear"  # after warm-up, down to lr * min_lr_ratio
     norm_before_residual: bool = False
