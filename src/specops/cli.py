@@ -350,9 +350,28 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .config import load_config
 
     cfg = load_config(args.campaign) if args.campaign.endswith(".toml") else load_config(camp.config_path)
-    summary = run_eval(with_workers(cfg, args.workers, args.batch_size), camp, drafter_dir=args.drafter)
+    served_only = bool(args.served or args.url)
+    summary: dict = {}
+    if not served_only:
+        summary = run_eval(with_workers(cfg, args.workers, args.batch_size), camp, drafter_dir=args.drafter)
+        print(json.dumps(summary.get("overall", summary), indent=1, default=str))
+    if served_only or cfg.eval.served or cfg.eval.server_url:
+        from .evaluate.report import verdict
+        from .evaluate.report import brief
+        from .serve import evaluate_served
+
+        result = evaluate_served(cfg, camp, url=args.url, baseline_url=args.baseline_url,
+                                 concurrency=args.concurrency, interop=False if args.no_interop else None)
+        b = brief(result)
+        print(json.dumps(b, indent=1, default=str))
+        if result.get("interop"):
+            print(result["interop"]["line"])
+        if not summary:
+            summary = {"verdict": verdict({}, baseline_tokens_per_s=cfg.eval.baseline_tokens_per_s,
+                                          min_tau=cfg.eval.min_tau, served=b)}
+        else:
+            summary = json.loads((camp.root / "eval" / "summary.json").read_text())
     md, html = write_report(camp)
-    print(json.dumps(summary.get("overall", summary), indent=1, default=str))
     print(f"report: {html}")
     v = summary.get("verdict") or {}
     print(v.get("line", ""))
@@ -437,6 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, metavar="B",
                     help="B conversations per batched loop (overrides eval.batch_size; > 1: tau and acceptance "
                          "only, baseline off, one worker)")
+    ev.add_argument("--served", action="store_true",
+                    help="through the serving engine only: start [serve] with the drafter, then without it")
+    ev.add_argument("--url", help="through this running server with the drafter (.../v1) only")
+    ev.add_argument("--baseline-url", help="the same engine without the drafter (.../v1): the served speedup")
+    ev.add_argument("--concurrency", type=int, metavar="N", help="the served eval's second throughput point "
+                    "(overrides eval.served_concurrency)")
+    ev.add_argument("--no-interop", action="store_true", help="skip the served-vs-loop interop check")
     ev.set_defaults(func=_cmd_eval)
 
     pf = sub.add_parser("preflight", help="can I start? every GPU, disk vs forecast, RAM, model files, ports")

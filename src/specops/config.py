@@ -333,10 +333,31 @@ class EvalSection:
     # needs baseline = false and workers = 1.
     batch_size: int = 1
     cuda_graphs: bool = True  # static runners replay CUDA graphs on CUDA (decode, verify, the drafter chain)
+    # Through the serving engine (evaluate/served.py): the eval prompts sent to a server running the
+    # drafter, tau from its spec-decode counters, tokens/s against the same engine without the
+    # drafter (the served speedup). served = true: `specops eval` / `run` start [serve] with the
+    # drafter ([serve] drafter, default the campaign's vLLM-format export) and then without it.
+    served: bool = False
+    server_url: str | None = None  # a running server with the drafter (.../v1): nothing is started
+    baseline_server_url: str | None = None  # the same engine without the drafter: the served speedup
+    served_concurrency: int = 8  # the second throughput point (the first is concurrency 1)
+    # The served T=0 turns again through specops' loop (target in process, fp32 on CPU): served and
+    # loop tau must agree within interop_tolerance; false for a target that no process here holds.
+    interop: bool = True
+    interop_tolerance: float = 0.05
 
     def __post_init__(self) -> None:
         if not self.datasets:
             raise ConfigError("eval.datasets: at least one dataset is required")
+        for key in ("server_url", "baseline_server_url"):
+            url = getattr(self, key)
+            if url is not None and (not url.startswith(("http://", "https://")) or not url.rstrip("/").endswith("/v1")):
+                raise ConfigError(f"eval.{key}: expected the OpenAI base URL ending in /v1, got {url!r}")
+        if isinstance(self.served_concurrency, bool) or not isinstance(self.served_concurrency, int) \
+                or self.served_concurrency < 1:
+            raise ConfigError(f"eval.served_concurrency: must be an integer >= 1, got {self.served_concurrency!r}")
+        if not 0 <= self.interop_tolerance < 1:
+            raise ConfigError(f"eval.interop_tolerance: a tau difference in [0, 1), got {self.interop_tolerance}")
         for key in ("workers", "batch_size"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int):

@@ -147,6 +147,12 @@ def _run_phase(cfg: Config, campaign: Campaign, phase: str, *, progress: bool | 
         from .evaluate.specdec import run_eval
 
         summary = run_eval(cfg, campaign, lock=False)
+        out: dict[str, Any] = {"summary": summary.get("overall", summary)}
+        if cfg.eval.served or cfg.eval.server_url:
+            from .evaluate.report import brief
+            from .serve import evaluate_served
+
+            out["served"] = brief(evaluate_served(cfg, campaign))
         md, html = write_report(campaign)
-        return {"summary": summary.get("overall", summary), "report": str(html)}
+        return {**out, "report": str(html)}
     raise AssertionError(phase)

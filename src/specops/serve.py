@@ -113,8 +113,34 @@ def resolve_drafter(cfg: Config, model_dir: Path) -> ServedDrafter | None:
                          as_model=sv.engine == "vllm" and report.format == "speculators")
 
 
-def drafter_argv(engine: str, drafter: ServedDrafter) -> list[str]:
-    """The flags that add `drafter` to a vLLM or SGLang command line (module docstring)."""
+PER_REQUEST_METRICS_FLAG = "--per-request-spec-decode-metrics"
+
+
+def vllm_has_flag(python: str | None, flag: str) -> bool:
+    """Whether the vLLM that `python` runs defines `flag` (read from its engine/arg_utils.py without
+    importing vLLM, which takes seconds). False when the file is not found."""
+    import glob
+    import importlib.util
+
+    if python:
+        prefix = Path(python).parent.parent
+        files = glob.glob(str(prefix / "lib" / "python3*" / "site-packages" / "vllm" / "engine" / "arg_utils.py"))
+    else:
+        spec = importlib.util.find_spec("vllm")
+        files = [str(Path(spec.origin).parent / "engine" / "arg_utils.py")] if spec and spec.origin else []
+    for f in files:
+        try:
+            if f'"{flag}"' in Path(f).read_text():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def drafter_argv(engine: str, drafter: ServedDrafter, *, per_request_metrics: bool = False) -> list[str]:
+    """The flags that add `drafter` to a vLLM or SGLang command line (module docstring).
+    `per_request_metrics`: vLLM reports each request's accepted drafts per verify step in the
+    response (`--per-request-spec-decode-metrics detailed`), what the interop check compares."""
     if engine == "sglang":
         return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter.path),
                 "--speculative-num-steps", str(drafter.k), "--speculative-eagle-topk", "1",
@@ -122,14 +148,19 @@ def drafter_argv(engine: str, drafter: ServedDrafter) -> list[str]:
     spec: dict = {"num_speculative_tokens": drafter.k}
     if not drafter.as_model:
         spec = {"method": "eagle3", "model": str(drafter.path), **spec}
-    return ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    out = ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    return out + [PER_REQUEST_METRICS_FLAG, "detailed"] if per_request_metrics else out
 
 
-def server_argv(cfg: Config, model_dir: Path, drafter: ServedDrafter | None = None) -> list[str]:
+def server_argv(cfg: Config, model_dir: Path, drafter: ServedDrafter | None = None, *,
+                with_drafter: bool = True) -> list[str]:
     """The server command line derived from [serve] (+ extra_args verbatim). `drafter`: from
-    `resolve_drafter`, which runs here when [serve] drafter is set and none is given."""
+    `resolve_drafter`, which runs here when [serve] drafter is set and none is given;
+    `with_drafter=False`: the target alone whatever [serve] says (the served eval's baseline)."""
     sv = cfg.serve
-    if drafter is None and sv.drafter is not None:
+    if not with_drafter:
+        drafter = None
+    elif drafter is None and sv.drafter is not None:
         drafter = resolve_drafter(cfg, model_dir)
     f = _FLAGS[sv.engine]
     served_model = drafter.path if drafter is not None and drafter.as_model else model_dir
@@ -145,7 +176,9 @@ def server_argv(cfg: Config, model_dir: Path, drafter: ServedDrafter | None = No
     if sv.tool_call_parser:
         argv += [*f["tools"], sv.tool_call_parser]
     if drafter is not None:
-        argv += drafter_argv(sv.engine, drafter)
+        per_request = (sv.engine == "vllm" and not any(a.startswith(PER_REQUEST_METRICS_FLAG) for a in sv.extra_args)
+                       and vllm_has_flag(sv.python, PER_REQUEST_METRICS_FLAG))
+        argv += drafter_argv(sv.engine, drafter, per_request_metrics=per_request)
     return argv + list(sv.extra_args)
 
 
@@ -185,9 +218,11 @@ def check_gpus_free(cfg: Config, gpu_source=None) -> None:
 
 
 def start(cfg: Config, campaign: Campaign, *, on_poll: Callable[[VllmServer, float], None] | None = None,
-          gpu_source=None) -> VllmServer:
+          gpu_source=None, with_drafter: bool = True) -> VllmServer:
+    """Launch [serve] and wait until it is up (`with_drafter=False`: the target alone)."""
     model_dir = resolve_model_dir(cfg.target.model)
-    drafter = resolve_drafter(cfg, model_dir)  # a bad drafter is refused before anything starts
+    # a bad drafter is refused before anything starts
+    drafter = resolve_drafter(cfg, model_dir) if with_drafter else None
     check_gpus_free(cfg, gpu_source)
     sv = cfg.serve
     env = dict(sv.env)
@@ -200,7 +235,7 @@ def start(cfg: Config, campaign: Campaign, *, on_poll: Callable[[VllmServer, flo
             env["LD_PRELOAD"] = added["LD_PRELOAD"] = preload
     campaign.run_dir.mkdir(parents=True, exist_ok=True)
     log_path = campaign.run_dir / f"serve-{sv.port}.log"
-    argv = server_argv(cfg, model_dir, drafter)
+    argv = server_argv(cfg, model_dir, drafter, with_drafter=with_drafter)
     srv = launch_server(argv, host=sv.host, port=sv.port, served_name=served_name(cfg.target.model,
                         cfg.target.served_name), model_dir=model_dir, log_path=log_path, env=env,
                         timeout=sv.startup_timeout_s, on_poll=on_poll)
@@ -255,3 +290,85 @@ def stop_recorded(campaign: Campaign, port: int, timeout: float = 30.0) -> str:
         time.sleep(0.2)
     os.killpg(pgid, signal.SIGKILL)
     return f"server group {pgid} killed after {timeout:.0f}s"
+
+
+def evaluate_served(cfg: Config, campaign: Campaign, *, url: str | None = None, baseline_url: str | None = None,
+                    concurrency: int | None = None, interop: bool | None = None) -> dict:
+    """The served evaluation (evaluate/served.py) -> eval/served.json, its figures added to
+    eval/summary.json (and its verdict) when the loop eval wrote one.
+
+    Against `url` (else eval.server_url) and `baseline_url` (else eval.baseline_server_url) when
+    given; otherwise [serve] is started with the drafter ([serve] drafter, default the campaign's
+    vLLM-format export), evaluated and stopped, then started without it for the baseline: one
+    server at a time. The interop reference is eval.drafter, else the campaign's latest training
+    checkpoint, else the served export itself (then only engine-side faults can show)."""
+    import contextlib
+    import dataclasses
+
+    from .campaign import read_json
+    from .drafter.checkpoint import latest_checkpoint
+    from .evaluate.report import verdict
+    from .evaluate.report import brief
+    from .evaluate.served import Endpoint, run_served_eval
+
+    ec = cfg.eval
+    url = url or ec.server_url
+    baseline_url = baseline_url or ec.baseline_server_url
+    name = served_name(cfg.target.model, cfg.target.served_name)
+    k = None
+    label = url
+    if url is None:
+        if cfg.serve.drafter is None:
+            cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, drafter="export"))
+        model_dir = resolve_model_dir(cfg.target.model)
+        drafter = resolve_drafter(cfg, model_dir)  # refused here, before any server starts
+        k, label = drafter.k, str(drafter.path)
+
+        @contextlib.contextmanager
+        def started(with_drafter: bool):
+            print(f"starting {cfg.serve.engine} {'with' if with_drafter else 'without'} the drafter on "
+                  f"{cfg.serve.host}:{cfg.serve.port} for the served eval", file=sys.stderr, flush=True)
+            srv = start(cfg, campaign, with_drafter=with_drafter)
+            try:
+                yield Endpoint(srv.url, name)
+            finally:
+                srv.stop()
+
+        spec_server = lambda: started(True)  # noqa: E731
+        base_server = (lambda: started(False)) if baseline_url is None else (
+            lambda: contextlib.nullcontext(Endpoint(baseline_url, name)))
+    else:
+        spec_server = lambda: contextlib.nullcontext(Endpoint(url, name))  # noqa: E731
+        base_server = (lambda: contextlib.nullcontext(Endpoint(baseline_url, name))) if baseline_url else None
+    reference = Path(ec.drafter) if ec.drafter else latest_checkpoint(campaign.root / "drafter")
+    if reference is None and url is None:
+        reference = Path(label)
+    _note_served(campaign, {"state": "running", "pid": os.getpid(), "server": url, "drafter": label})
+    try:
+        result = run_served_eval(cfg, campaign.root / "eval", spec_server=spec_server, base_server=base_server,
+                                 k=k, concurrency=concurrency or ec.served_concurrency,
+                                 interop=ec.interop if interop is None else interop,
+                                 tolerance=ec.interop_tolerance, reference_drafter=reference, drafter_label=label)
+    except BaseException as e:
+        _note_served(campaign, {"state": "failed", "error": f"{type(e).__name__}: {e}"})
+        raise
+    b = brief(result)
+    summary_path = campaign.root / "eval" / "summary.json"
+    summary = read_json(summary_path)
+    if summary is not None:
+        summary["served"] = b
+        summary["verdict"] = verdict(summary["overall"], baseline_tokens_per_s=ec.baseline_tokens_per_s,
+                                     min_tau=ec.min_tau, served=b)
+        atomic_write_json(summary_path, summary)
+    sp1 = ((b.get("speedup") or {}).get("t0_c1") or {}).get("speedup")
+    _note_served(campaign, {"state": "done", "finished": now_iso(), "tau": b["tau_t0"], "tau_t1": b["tau_t1"],
+                            "speedup_c1": sp1, "interop": (b["interop"] or {}).get("ok"),
+                            "file": str(campaign.root / "eval" / "served.json")})
+    return result
+
+
+def _note_served(campaign: Campaign, entry: dict) -> None:
+    """The served evaluation's state under the eval phase's manifest entry ("served")."""
+    m = campaign.read_manifest() or {"phases": {}}
+    m.setdefault("phases", {}).setdefault("eval", {})["served"] = entry
+    campaign.write_manifest(m)

