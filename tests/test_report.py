@@ -193,3 +193,55 @@ def test_charts_are_well_formed_with_edge_cases():
                 bar_chart("t", [("a", None), ("b", 0.0)], ylabel="y"),
                 bar_chart("t & <x>", [("a", 2.0)], ylabel="y", hlines=[("line", 5.0)])):
         ET.fromstring(svg)
+
+
+def _served(speedup_c1=None, tau=2.5, interop_ok=True):
+    return {"tau_t0": tau, "tau_t1": 1.8, "speedup": {"t0_c1": {"concurrency": 1, "spec_tokens_per_s": 60.0,
+                                                               "baseline_tokens_per_s": 30.0, "speedup": speedup_c1}},
+            "interop": None if interop_ok is None else {"ok": interop_ok, "line": "interop check x",
+                                                        "tau_served": tau, "tau_loop": 2.5}}
+
+
+def test_verdict_uses_the_served_speedup_and_the_interop_check():
+    loop = {"tau": 1.9, "spec_tokens_per_s": 10.0, "measured_speedup": 0.8, "speedup_unavailable": None}
+    # the served speedup decides over the loop's
+    v = verdict(loop, baseline_tokens_per_s=None, min_tau=None, served=_served(2.0))
+    assert v["go"] and v["line"].startswith("GO: 2.00x vs the served target alone (concurrency 1)"), v["line"]
+    # the baseline line is compared with the served tokens/s; min_tau with the served tau
+    v = verdict(loop, baseline_tokens_per_s=50.0, min_tau=2.4, served=_served(2.0))
+    assert v["go"] and {c["check"]: c["value"] for c in v["checks"]} == {"interop": 2.5, "tokens_per_s": 60.0,
+                                                                        "tau": 2.5}
+    # a failed interop check is a NO-GO whatever the speed
+    v = verdict(loop, baseline_tokens_per_s=None, min_tau=None, served=_served(2.0, interop_ok=False))
+    assert not v["go"] and "the engine does not run the drafter as specops' loop does" in v["line"]
+    # no served baseline: the loop's speedup still decides; the interop check alone never makes a GO
+    v = verdict(loop, baseline_tokens_per_s=None, min_tau=None, served=_served(None))
+    assert not v["go"] and "vs the in-process target-only baseline" in v["line"]
+    # served only, no target-only server: undecided (exit 0) unless the interop check fails or min_tau misses
+    v = verdict({}, baseline_tokens_per_s=None, min_tau=None, served=_served(None))
+    assert v["go"] is None and v["line"] == ("NOT JUDGED: interop check x (speed not judged: no target-only baseline "
+                                             "(a served eval without --baseline-url)); give --baseline-url, or set "
+                                             "eval.min_tau"), v["line"]
+    v = verdict({}, baseline_tokens_per_s=None, min_tau=None, served=_served(None, interop_ok=False))
+    assert v["go"] is False and "the engine does not run the drafter" in v["line"]
+    assert verdict({}, baseline_tokens_per_s=None, min_tau=2.0, served=_served(None))["go"] is True
+    assert verdict({}, baseline_tokens_per_s=None, min_tau=3.0, served=_served(None))["go"] is False
+
+
+def test_report_shows_the_served_figures_beside_the_loop(tmp_path):
+    camp = make_campaign(tmp_path / "c", eval_toml="")
+    served = {"server": "http://127.0.0.1:1/v1", "drafter": "d", "k": 3, "max_new_tokens": 32, "finished": "t",
+              "tau_t0": 2.5, "tau_t1": 1.8, "per_position_t0": [0.8, 0.5, 0.2],
+              "speedup": {"t0_c1": {"concurrency": 1, "spec_tokens_per_s": 60.0, "baseline_tokens_per_s": 30.0,
+                                    "speedup": 2.0}},
+              "t0_identical_to_baseline": "2/2",
+              "interop": {"ok": False, "line": "interop check FAIL: served tau 1.0 vs specops' loop 2.5",
+                          "likely_causes": ["aux layer ids: x"],
+                          "rows": [{"id": "a", "turn": 0, "identical": False, "tau_diff": -1.5, "tau_served": 1.0,
+                                    "tau_loop": 2.5, "first_divergent_token": 7, "first_divergent_step": 0}]}}
+    (camp.root / "eval" / "served.json").write_text(json.dumps(served))
+    md, _ = write_report(camp)
+    text = md.read_text()
+    assert "## Served by the engine" in text and "| 1 | 60.0 | 30.0 | 2.00 |" in text
+    assert "first divergent token 7, first divergent step 0" in text and "Likely causes: aux layer ids: x" in text
+    assert "NO-GO" in text.splitlines()[4]

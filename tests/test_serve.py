@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -240,3 +241,40 @@ def test_cpu_openmp_preload(tmp_path):
     assert cpu_openmp_preload(py, {"LD_PRELOAD": "/x/libtcmalloc.so"}) == f"{lib}:/x/libtcmalloc.so"
     for runtime in ("/opt/libiomp5.so", "/t/libgomp.so.1", "/l/libomp.so"):  # an OpenMP already chosen
         assert cpu_openmp_preload(py, {"LD_PRELOAD": runtime}) is None
+
+
+def test_the_per_request_metrics_flag_only_where_the_servers_vllm_has_it(tiny_exports, tmp_path):
+    """vLLM reports each request's accepted drafts per step with --per-request-spec-decode-metrics
+    detailed (what the interop check compares); a vLLM without the flag would refuse to start."""
+    from specops.serve import PER_REQUEST_METRICS_FLAG, server_argv, vllm_has_flag
+
+    env = tmp_path / "env"
+    arg_utils = env / "lib" / "python3.11" / "site-packages" / "vllm" / "engine" / "arg_utils.py"
+    arg_utils.parent.mkdir(parents=True)
+    arg_utils.write_text('parser.add_argument("--speculative-config")\n')
+    py = str(env / "bin" / "python")
+    assert not vllm_has_flag(py, PER_REQUEST_METRICS_FLAG)
+    argv = server_argv(drafter_cfg(tiny_exports, drafter="export", python=py), tiny_exports["target"])
+    assert PER_REQUEST_METRICS_FLAG not in argv
+    arg_utils.write_text(f'parser.add_argument("{PER_REQUEST_METRICS_FLAG}")\n')
+    assert vllm_has_flag(py, PER_REQUEST_METRICS_FLAG)
+    argv = server_argv(drafter_cfg(tiny_exports, drafter="export", python=py), tiny_exports["target"])
+    assert argv[argv.index(PER_REQUEST_METRICS_FLAG) + 1] == "detailed"
+    # the target alone (the served eval's baseline): no drafter flags at all
+    argv = server_argv(drafter_cfg(tiny_exports, drafter="export", python=py), tiny_exports["target"],
+                       with_drafter=False)
+    assert "--speculative-config" not in argv and PER_REQUEST_METRICS_FLAG not in argv
+
+
+def test_eval_served_settings_are_checked(tmp_path):
+    from specops.config import config_from_dict
+    from specops.errors import ConfigError
+
+    base = {"campaign": {"name": "c", "dir": str(tmp_path)}, "target": {"model": "smollm2"},
+            "datasets": [{"name": "x", "source": "gsm8k"}]}
+    for bad, why in (({"server_url": "http://h:1/"}, "ending in /v1"), ({"served_concurrency": 0}, ">= 1"),
+                     ({"interop_tolerance": 1.5}, "[0, 1)")):
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            config_from_dict({**base, "eval": bad})
+    cfg = config_from_dict({**base, "eval": {"served": True, "server_url": "http://127.0.0.1:8000/v1"}})
+    assert cfg.eval.interop and cfg.eval.served_concurrency == 8

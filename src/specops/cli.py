@@ -375,7 +375,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(f"report: {html}")
     v = summary.get("verdict") or {}
     print(v.get("line", ""))
-    return 0 if v.get("go", True) else 1
+    return 1 if v.get("go") is False else 0  # None: nothing judged (a served eval without a baseline)
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:

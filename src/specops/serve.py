@@ -152,6 +152,25 @@ def drafter_argv(engine: str, drafter: ServedDrafter, *, per_request_metrics: bo
     return out + [PER_REQUEST_METRICS_FLAG, "detailed"] if per_request_metrics else out
 
 
+def server_python(cfg: Config) -> str:
+    """The interpreter that runs the server: serve.python; else, for vLLM, this one when it has vLLM,
+    else the vLLM environment scripts/setup-vllm.sh builds ($SPECOPS_VLLM_PYTHON, $SPECOPS_VLLM_VENV,
+    the cached venv); else this one (SGLang)."""
+    import importlib.util
+
+    from .serverproc import VllmServerError, find_vllm_python
+
+    sv = cfg.serve
+    if sv.python:
+        return sv.python
+    if sv.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        try:
+            return str(find_vllm_python())
+        except VllmServerError as e:
+            raise ConfigError(f"serve.python is not set and this environment has no vLLM: {e}") from None
+    return sys.executable
+
+
 def server_argv(cfg: Config, model_dir: Path, drafter: ServedDrafter | None = None, *,
                 with_drafter: bool = True) -> list[str]:
     """The server command line derived from [serve] (+ extra_args verbatim). `drafter`: from
@@ -164,7 +183,8 @@ def server_argv(cfg: Config, model_dir: Path, drafter: ServedDrafter | None = No
         drafter = resolve_drafter(cfg, model_dir)
     f = _FLAGS[sv.engine]
     served_model = drafter.path if drafter is not None and drafter.as_model else model_dir
-    argv = [sv.python or sys.executable, "-m", f["module"], f["model"], str(served_model),
+    python = server_python(cfg)
+    argv = [python, "-m", f["module"], f["model"], str(served_model),
             "--served-model-name", served_name(cfg.target.model, cfg.target.served_name),
             "--host", sv.host, "--port", str(sv.port), f["tp"], str(sv.tensor_parallel_size)]
     if sv.data_parallel_size > 1:
@@ -177,7 +197,7 @@ def server_argv(cfg: Config, model_dir: Path, drafter: ServedDrafter | None = No
         argv += [*f["tools"], sv.tool_call_parser]
     if drafter is not None:
         per_request = (sv.engine == "vllm" and not any(a.startswith(PER_REQUEST_METRICS_FLAG) for a in sv.extra_args)
-                       and vllm_has_flag(sv.python, PER_REQUEST_METRICS_FLAG))
+                       and vllm_has_flag(python, PER_REQUEST_METRICS_FLAG))
         argv += drafter_argv(sv.engine, drafter, per_request_metrics=per_request)
     return argv + list(sv.extra_args)
 
@@ -230,7 +250,7 @@ def start(cfg: Config, campaign: Campaign, *, on_poll: Callable[[VllmServer, flo
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in sv.gpus)
     added: dict[str, str] = {}
     if sv.engine == "vllm" and sv.gpus == []:
-        preload = cpu_openmp_preload(sv.python, {**os.environ, **env})
+        preload = cpu_openmp_preload(server_python(cfg), {**os.environ, **env})
         if preload:
             env["LD_PRELOAD"] = added["LD_PRELOAD"] = preload
     campaign.run_dir.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,8 @@ def verdict(overall: dict[str, Any], *, baseline_tokens_per_s: float | None, min
         if c1.get("speedup") is not None:
             overall = {**overall, "measured_speedup": c1["speedup"]}
             tps, na, where = c1.get("spec_tokens_per_s"), None, "the served target alone (concurrency 1)"
+        elif not overall:  # served only, no target-only server: nothing to compare speed with
+            na = "no target-only baseline (a served eval without --baseline-url)"
         it = served.get("interop") or {}
         if it.get("ok") is not None:
             checks.append({"check": "interop", "value": it.get("tau_served"), "line": it.get("tau_loop"),
@@ -87,9 +89,14 @@ def verdict(overall: dict[str, Any], *, baseline_tokens_per_s: float | None, min
         if not ok:
             reasons.append(f"measured speedup {_f(sp, '.2f')}x <= 1x vs {where}")
     judged = [c for c in checks if c["ok"] is not None]
-    go = any(c["check"] != "interop" for c in judged) and all(c["ok"] for c in judged)
+    go: bool | None = any(c["check"] != "interop" for c in judged) and all(c["ok"] for c in judged)
     if na:
         why = f"(speed not judged: {na})"
+        if served and not reasons and not any(c["check"] != "interop" for c in judged):
+            # a served eval that measured no speed and failed nothing: undecided, not a NO-GO
+            head = (served.get("interop") or {}).get("line") or "no interop check"
+            return {"go": None, "line": f"NOT JUDGED: {head} {why}; give --baseline-url, or set eval.min_tau",
+                    "checks": checks}
         if go:
             line = f"GO: tau {_f(tau, '.2f')} >= {min_tau:g} {why}"
         elif judged:
@@ -390,7 +397,7 @@ def _table(header: list[str], rows: list[list[str]]) -> tuple[str, str]:
 _CSS = """body{font-family:sans-serif;max-width:980px;margin:24px auto;padding:0 16px;color:#222}
 table{border-collapse:collapse;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
-.go{font-size:20px;font-weight:bold;padding:10px;border-radius:4px}.yes{background:#dff5df}.no{background:#fbe0e0}
+.go{font-size:20px;font-weight:bold;padding:10px;border-radius:4px}.yes{background:#dff5df}.no{background:#fbe0e0}.none{background:#eeeeee}
 figure{margin:8px 0}svg{max-width:100%;height:auto;border:1px solid #eee}"""
 
 
@@ -443,7 +450,7 @@ def write_report(campaign: Campaign | str | Path) -> tuple[Path, Path]:
     md: list[str] = [f"# specops report: {camp.root.name}", "", f"Generated {now_iso()}.", "", f"**{v['line']}**", ""]
     hb: list[str] = [f"<h1>specops report: {html.escape(camp.root.name)}</h1>",
                      f"<p>Generated {html.escape(now_iso())}.</p>",
-                     f'<p class="go {"yes" if v["go"] else "no"}">{html.escape(v["line"])}</p>']
+                     f'<p class="go {"yes" if v["go"] else "no" if v["go"] is False else "none"}">{html.escape(v["line"])}</p>']
     plots: list[tuple[str, str, str]] = []  # (name, title, standalone svg) ; html gets the inline variant
 
     def add_plot(name: str, title: str, fn, *args, **kw) -> None:
