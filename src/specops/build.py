@@ -494,13 +494,12 @@ def check_build_section(b: BuildSection) -> None:
 
 def _target_info(cfg: Config) -> tuple[Path, Path, int, set[int]]:
     """(model dir, tokenizer dir, vocab_size, eos ids) of the target; reads config files only."""
-    from transformers import AutoConfig
-
     from .models import resolve_model_dir
+    from .target.hf import load_config
 
     model_dir = resolve_model_dir(cfg.target.model)
     tok_dir = Path(cfg.target.tokenizer) if cfg.target.tokenizer else model_dir
-    mcfg = AutoConfig.from_pretrained(str(model_dir))
+    mcfg = load_config(model_dir, trust_remote_code=cfg.target.trust_remote_code)
     text_cfg = text_config(mcfg)
     vocab = getattr(text_cfg, "vocab_size", None)
     if not vocab:
@@ -556,7 +555,7 @@ def run_build(cfg: Config, campaign: Campaign | None = None, *, lock: bool = Tru
 
 
 def _build(cfg: Config, campaign: Campaign, tmp: Path) -> dict[str, Any]:
-    from transformers import AutoTokenizer
+    from .target.hf import load_tokenizer
 
     t0 = time.time()
     b = cfg.build
@@ -570,7 +569,7 @@ def _build(cfg: Config, campaign: Campaign, tmp: Path) -> dict[str, Any]:
         raise InputError(f"{root}: no generate/<dataset>/records.jsonl; run `specops generate` first")
 
     model_dir, tok_dir, vocab_size, eos = _target_info(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    tokenizer = load_tokenizer(tok_dir, trust_remote_code=cfg.target.trust_remote_code)
     renderer = ChatRenderer(tokenizer, eos)
     template = tokenizer.chat_template
     template_sha = hashlib.sha256(

@@ -37,6 +37,9 @@ class TargetSection:
     served_name: str | None = None
     tokenizer: str | None = None  # default: the model's own
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    # Run the Python a model directory ships (auto_map: a custom tokenizer such as Kimi-K2's, a
+    # custom config or model class). Off: such a directory is refused with the files named.
+    trust_remote_code: bool = False
 
 
 @dataclass(kw_only=True)

@@ -173,14 +173,14 @@ def _generate(c: dict[str, Any], root: Path) -> Made:
                           "generate.heartbeat_interval_s", "generate.canary_samples",
                           "generate.expect_truncation", "datasets.*.concurrency"))
     if local:  # the local engine runs the target in this dtype; a server's own dtype is its business
-        settings.update(pick(c, "target.dtype"))
+        settings.update(pick(c, "target.dtype", "target.trust_remote_code"))
     out, missing = _join({f"generate/{d['name']}/records.jsonl": _tail(root / "generate" / d["name"] / "records.jsonl")
                           for d in c.get("datasets") or []})
     return Made(settings, (), out, missing)
 
 
 def _build(c: dict[str, Any], root: Path) -> Made:
-    settings = pick(c, "build", "target.model", "target.tokenizer")
+    settings = pick(c, "build", "target.model", "target.tokenizer", "target.trust_remote_code")
     settings["build.seed"] = _seed(c, "build")
     out, missing = _join({"build/manifest.json": _sha(root / "build" / "manifest.json")})
     return Made(settings, ("generate",), out, missing)
@@ -189,7 +189,7 @@ def _build(c: dict[str, Any], root: Path) -> Made:
 def _extract(c: dict[str, Any], root: Path) -> Made:
     if (c.get("extract") or {}).get("mode") == "online":  # nothing written: training computes features
         return Made(pick(c, "extract.mode"), ("build",), "online")
-    settings = pick(c, "extract", "target.model", "target.dtype", drop=("extract.device",))
+    settings = pick(c, "extract", "target.model", "target.dtype", "target.trust_remote_code", drop=("extract.device",))
     parts = {"features/train/index.json": _sha(root / "features" / "train" / "index.json")}
     if (root / "features" / "val").is_dir():
         parts["features/val/index.json"] = _sha(root / "features" / "val" / "index.json")
@@ -198,7 +198,7 @@ def _extract(c: dict[str, Any], root: Path) -> Made:
 
 
 def _train(c: dict[str, Any], root: Path) -> Made:
-    settings = pick(c, "train", "target.model", "target.dtype",
+    settings = pick(c, "train", "target.model", "target.dtype", "target.trust_remote_code",
                     drop=("train.log_every", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
                           "train.prefetch", "train.device", "train.cuda_graphs", "train.graph_bucket"))
     settings["train.seed"] = _seed(c, "train")

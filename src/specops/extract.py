@@ -847,7 +847,8 @@ def run_extract(
 
     rank, world, local = _dist_env()
     model_dir = Path(target.model_dir) if target is not None else resolve_model_dir(cfg.target.model)
-    text_cfg = target.config if target is not None else read_text_config(model_dir)
+    text_cfg = target.config if target is not None else read_text_config(
+        model_dir, trust_remote_code=cfg.target.trust_remote_code)
     L, H = int(text_cfg.num_hidden_layers), int(text_cfg.hidden_size)
     layer_ids = list(x.aux_layer_ids) if x.aux_layer_ids is not None else default_aux_layer_ids(L)
     for i in layer_ids:
@@ -927,7 +928,7 @@ def run_extract(
             )
 
         if target is None and any(todo.values()):
-            target = load_target(model_dir, compute_dtype, device)
+            target = load_target(model_dir, compute_dtype, device, trust_remote_code=cfg.target.trust_remote_code)
         target_info = {"hidden_size": H, "num_hidden_layers": L, "vocab_size": None}
         if target is not None:
             target_info["vocab_size"] = target.vocab_size

@@ -92,7 +92,108 @@ def _model_checks(cfg: Config, phases: list[str], out: dict[str, Any]) -> list[C
     need_tok = cfg.engine.kind == "local" or any(p != "generate" for p in phases)
     results, config = check_model(model_dir, tokenizer_dir=tok, need_tokenizer=need_tok)
     out["config"] = config
-    return results
+    return results + _remote_code_check(cfg, phases, model_dir, tok or model_dir, need_tok)
+
+
+def _remote_code_check(cfg: Config, phases: list[str], model_dir: Path, tok_dir: Path,
+                       need_tok: bool) -> list[CheckResult]:
+    """The Python a model directory ships (auto_map) against target.trust_remote_code: a no-go
+    when a planned phase loads it and the setting is off; shown with the files when it is on."""
+    from .target.hf import remote_code
+
+    in_process = cfg.engine.kind == "local" or any(p in ("extract", "train", "eval") for p in phases)
+    refs = {"tokenizer": remote_code(tok_dir, "tokenizer") if need_tok else [],
+            "model": remote_code(model_dir, "model") if in_process else []}
+    found = "; ".join(f"{k}: {', '.join(v)}" for k, v in refs.items() if v)
+    data = {"trust_remote_code": cfg.target.trust_remote_code, **refs}
+    if cfg.target.trust_remote_code:
+        what = f"runs the model directory's own code ({found})" if found else "nothing planned loads shipped code"
+        return [CheckResult("model.remote_code", "go", f"target.trust_remote_code = true: {what}", data)]
+    if found:
+        return [CheckResult("model.remote_code", "nogo",
+                            f"the target ships code the planned phases run ({found}); "
+                            "set target.trust_remote_code = true to allow it", data)]
+    return []
+
+
+def in_process_uses(cfg: Config, phases: list[str]) -> list[tuple[str, str, int]]:
+    """(phase, device setting, copies per device) for each planned phase that loads the whole
+    target into one process on one device."""
+    out = []
+    if "generate" in phases and cfg.engine.kind == "local":
+        out.append(("generate", cfg.engine.device, 1))
+    if "extract" in phases and cfg.extract.mode == "offline":
+        out.append(("extract", cfg.extract.device, 1))
+    if "train" in phases and cfg.train.mode == "online":
+        out.append(("train", cfg.train.device, 1))
+    if "eval" in phases:
+        served = cfg.eval.served or cfg.eval.server_url is not None
+        if not served:
+            out.append(("eval", cfg.eval.device, cfg.eval.workers))
+        elif cfg.eval.interop:  # the interop check runs specops' loop: fp32 on the CPU
+            out.append(("eval", "cpu", 1))
+    return out
+
+
+SERVED_ALTERNATIVE = {
+    "generate": "generate through the serving engine: [engine] kind = \"openai\" with the server as its endpoints",
+    "extract": "no in-process extract holds this target; the hidden states must come from the engine that serves "
+               "it (extract through a served engine is not in this version)",
+    "train": "train.mode = \"offline\" reads extracted features instead of running the target",
+    "eval": "evaluate through the serving engine: [eval] served = true (or `specops eval --url`) with "
+            "interop = false",
+}
+
+
+def _target_memory_checks(cfg: Config, phases: list[str], model_config: dict[str, Any], earlier: list[CheckResult],
+                          meminfo: str | os.PathLike[str]) -> list[CheckResult]:
+    """The target's weights (checks/memory.py, from config.json alone) against the largest device
+    each in-process phase could use: a no-go before anything loads, naming the served path."""
+    from .checks.host import read_meminfo
+    from .checks.memory import weight_bytes
+
+    uses = in_process_uses(cfg, phases)
+    if not uses:
+        return []
+    gpus = {r.name: int(((r.data.get("device") or {}).get("memory") or {}).get("total") or 0)
+            for r in earlier if r.name.startswith("gpu") and r.name[3:].isdigit()}
+    try:
+        ram = read_meminfo(meminfo).get("MemTotal")
+    except OSError:
+        ram = None
+    out = []
+    for phase, device, copies in uses:
+        on_cpu = device == "cpu" or (device == "auto" and not gpus)
+        if on_cpu:
+            where, cap = "the host's RAM", ram
+        elif device.startswith("cuda:") and f"gpu{device[5:]}" in gpus:
+            where, cap = device, gpus[f"gpu{device[5:]}"]
+        else:
+            name = max(gpus, key=gpus.get) if gpus else None
+            where, cap = (name, gpus[name]) if name else ("a GPU", None)
+        dtype = cfg.target.dtype if cfg.target.dtype != "auto" else ("float32" if on_cpu else "bfloat16")
+        if phase == "eval" and device == "cpu" and (cfg.eval.served or cfg.eval.server_url):
+            dtype = "float32"
+        w = weight_bytes(model_config, dtype)
+        need = w["bytes"] * copies
+        how = (f"{w['params'] / 1e9:.2f}B parameters, {w['quantized_params'] / 1e9:.2f}B of them in "
+               f"{w['quantized_bits']} bits, the rest {dtype}" if w["quantized_bits"]
+               else f"{w['params'] / 1e9:.2f}B parameters in {dtype}")
+        what = (f"{phase} loads the target in process: {fmt_bytes(need)} of weights"
+                f"{f' ({copies} workers)' if copies > 1 else ''} ({how})")
+        data = {"phase": phase, "need_bytes": need, "device": where, "capacity_bytes": cap, **w}
+        if cap is None:
+            out.append(CheckResult(f"target_memory.{phase}", "info", f"{what}; the size of {where} is unknown", data))
+        elif need > cap:
+            out.append(CheckResult(f"target_memory.{phase}", "nogo",
+                                   f"{what}, more than {where} holds ({fmt_bytes(cap)}); "
+                                   f"{SERVED_ALTERNATIVE[phase]}", data))
+        else:
+            status = "warn" if need > 0.9 * cap else "go"
+            out.append(CheckResult(f"target_memory.{phase}", status,
+                                   f"{what}; {where} holds {fmt_bytes(cap)}"
+                                   + (": under 10 % left for activations" if status == "warn" else ""), data))
+    return out
 
 
 def _disk_checks(cfg: Config | None, phases: list[str], campaign_dir: Path | None, model_config: Any,
@@ -147,6 +248,10 @@ def run_preflight(
     if cfg is not None:
         results += _guarded("model", lambda: _model_checks(cfg, phases, model))
     results += _guarded("disk", lambda: _disk_checks(cfg, phases, campaign_dir, model["config"], disk_usage))
+    if cfg is not None and model["config"] is not None:
+        gpus = list(results)
+        results += _guarded("target_memory", lambda: _target_memory_checks(cfg, phases, model["config"], gpus,
+                                                                           meminfo))
     results += _guarded("memory", lambda: check_memory(meminfo))
     results += _guarded("ports", lambda: check_ports(ports))
     root = campaign_dir if campaign_dir is not None else (cfg.campaign_dir() if cfg else None)

@@ -121,6 +121,8 @@ def test_servers_bind_loopback_by_default(tmp_path, figures):
     fig.finish()
 
 
+# target.trust_remote_code reaches transformers here and nowhere else
+GATE = REPO / "src" / "specops" / "target" / "hf.py"
 UNSAFE_CALLS = {
     ("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"), ("cPickle", "load"), ("cPickle", "loads"),
     ("dill", "load"), ("dill", "loads"), ("cloudpickle", "load"), ("cloudpickle", "loads"), ("joblib", "load"),
@@ -160,9 +162,12 @@ def unsafe_deserialisation(path: Path) -> list[str]:
             ap = kw.get("allow_pickle")
             if ap is not None and not (isinstance(ap, ast.Constant) and ap.value is False):
                 found.append(f"{path.name}:{node.lineno}: {name}(allow_pickle=...)")
-        elif name.endswith("from_pretrained"):
-            trc = kw.get("trust_remote_code")
-            if trc is not None and not (isinstance(trc, ast.Constant) and trc.value is False):
+        trc = kw.get("trust_remote_code")
+        if trc is not None and not (isinstance(trc, ast.Constant) and trc.value is False):
+            if path.name == GATE.name and path.parent.name == GATE.parent.name:
+                continue  # the gate: the one place the setting reaches transformers
+            # elsewhere only the campaign's setting is handed on (to the gate or a loader that calls it)
+            if name.endswith("from_pretrained") or not _dotted(trc).endswith("trust_remote_code"):
                 found.append(f"{path.name}:{node.lineno}: {name}(trust_remote_code=...)")
     return found
 
@@ -175,11 +180,16 @@ def test_no_unsafe_deserialisation_in_src(figures):
     fig.trials = len(files)
     fig.details = {"files": len(files), "torch_load_calls": torch_loads, "findings": found}
     assert files and not found, found
+    gate = GATE.read_text()  # the gate passes the setting on, never a constant of its own
+    assert "trust_remote_code=bool(trust_remote_code)" in gate and "trust_remote_code=True" not in gate
     # The scan itself can fail: it flags each of these (and passes the last).
     probes = [("import pickle\npickle.loads(b'')\n", 1), ("import torch\ntorch.load('x')\n", 1),
               ("import torch\ntorch.load('x', weights_only=False)\n", 1), ("from pickle import load\n", 1),
               ("import numpy as np\nnp.load('x', allow_pickle=True)\n", 1),
               ("from transformers import AutoModel\nAutoModel.from_pretrained('x', trust_remote_code=True)\n", 1),
+              ("AutoTokenizer.from_pretrained('x', trust_remote_code=cfg.target.trust_remote_code)\n", 1),
+              ("load_tokenizer('x', trust_remote_code=True)\n", 1), ("load_target('x', trust_remote_code=1)\n", 1),
+              ("load_tokenizer('x', trust_remote_code=cfg.target.trust_remote_code)\n", 0),
               ("import torch, pickle\ntorch.load('x', weights_only=True)\nE = pickle.UnpicklingError\n", 0)]
     for text, expected in probes:
         assert len(_scan_text(text)) == expected, text

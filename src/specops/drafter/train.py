@@ -381,12 +381,12 @@ def _attach_features(samples: list[Sample], features_fn: FeaturesFn, dtype: torc
 
 
 def target_features_fn(model_dir: str | os.PathLike[str], device: torch.device,
-                       aux_layer_ids: list[int] | None = None) -> FeaturesFn:
+                       aux_layer_ids: list[int] | None = None, *, trust_remote_code: bool = False) -> FeaturesFn:
     """The default online features_fn: the target itself (target.inprocess: loader and forward), run on
     right-padded batches (positions 0..n-1 per row, causal mask alone keeps real tokens exact)."""
     from ..target.inprocess import compute_features, load_target
 
-    target = load_target(model_dir, device=device)
+    target = load_target(model_dir, device=device, trust_remote_code=trust_remote_code)
     ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(target.num_hidden_layers)
 
     def fn(samples: list[torch.Tensor]) -> dict[str, Any]:
@@ -881,7 +881,8 @@ class _Trainer:
         else:
             if features_fn is None:
                 extract_ids = getattr(getattr(cfg, "extract", None), "aux_layer_ids", None)
-                features_fn = self.features_fn = target_features_fn(self.model_dir, self.device, extract_ids)
+                features_fn = self.features_fn = target_features_fn(
+                    self.model_dir, self.device, extract_ids, trust_remote_code=cfg.target.trust_remote_code)
             bdir = campaign.root / "build"
             self.train_split = TokenSplit(bdir / "train.safetensors", max_seq_len=tc.max_seq_len)
             vp = bdir / "val.safetensors"

@@ -388,15 +388,14 @@ def run_served_eval(cfg: Config, out_dir: Path, *, spec_server: Callable[[], Con
     (the target loaded in process, `reference_drafter` run by specops' loop). `spec_server` and
     `base_server` give the endpoints, each entered only for its own passes: servers that specops
     starts run one at a time, so neither measurement shares the machine with the other server."""
-    from transformers import AutoTokenizer
-
     from ..models import resolve_model_dir
+    from ..target.hf import load_tokenizer
     from .specdec import _eos_ids
 
     ec = cfg.eval
     convs, per_ds = eval_conversations(cfg)  # bad input is refused before any server starts
     model_dir = resolve_model_dir(cfg.target.model)
-    tok = AutoTokenizer.from_pretrained(str(cfg.target.tokenizer or model_dir))
+    tok = load_tokenizer(cfg.target.tokenizer or model_dir, trust_remote_code=cfg.target.trust_remote_code)
     eos = _eos_ids(_GenerationConfigOnly(model_dir), tok)
     prompts = PromptBuilder(tok, dict((cfg.generate.extra_body or {}).get("chat_template_kwargs") or {}), eos)
     t_phase = time.time()
@@ -476,7 +475,8 @@ def _interop(cfg: Config, turns: list[TurnResult], reference: Path | None, k: in
     if reference is None:
         raise InputError("interop check: no drafter to run in specops' loop (no training checkpoint, "
                          "no eval.drafter): set eval.drafter or eval.interop = false")
-    target = load_target(resolve_model_dir(cfg.target.model), "float32", "cpu")
+    target = load_target(resolve_model_dir(cfg.target.model), "float32", "cpu",
+                         trust_remote_code=cfg.target.trust_remote_code)
     drafter = load_eval_drafter(reference, target, torch.device("cpu"))
     out = interop_check(turns, target=target, drafter=drafter, k=k, max_new_tokens=cfg.eval.max_new_tokens,
                         eos=eos, tolerance=tolerance)

@@ -417,17 +417,18 @@ class _Evaluator:
     """One process's models (target, tokenizer, drafter) and the per-conversation loop."""
 
     def __init__(self, cfg: Config, dpath: Path, target: Any = None, *, runners: bool = True):
-        from transformers import AutoTokenizer
-
-        from ..target.inprocess import load_target
         from ..models import resolve_device, resolve_model_dir
+        from ..target.hf import load_tokenizer
+        from ..target.inprocess import load_target
 
         self.ec = ec = cfg.eval
+        trust_remote_code = cfg.target.trust_remote_code
         if target is None:
-            target = load_target(resolve_model_dir(cfg.target.model), cfg.target.dtype, resolve_device(ec.device))
+            target = load_target(resolve_model_dir(cfg.target.model), cfg.target.dtype, resolve_device(ec.device),
+                                 trust_remote_code=trust_remote_code)
         self.target = target
         self.device = torch.device(target.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.target.tokenizer or target.model_dir))
+        self.tokenizer = load_tokenizer(cfg.target.tokenizer or target.model_dir, trust_remote_code=trust_remote_code)
         self.drafter = load_eval_drafter(dpath, target, self.device)
         self.eos = _eos_ids(target.model, self.tokenizer)
         self.template_kwargs = dict((cfg.generate.extra_body or {}).get("chat_template_kwargs") or {})

@@ -278,6 +278,7 @@ class LocalEngine:
         tokenizer_dir: Path | str | None = None,
         prefill_token_budget: int | None = None,
         cuda_graphs: bool = True,
+        trust_remote_code: bool = False,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -286,6 +287,7 @@ class LocalEngine:
         self.model_dir = Path(model_dir)
         self.tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else self.model_dir
         self.device_spec, self.dtype_spec = device, dtype
+        self.trust_remote_code = trust_remote_code
         self.batch_size = batch_size
         self.max_model_len = max_model_len
         self.model_name = model_name
@@ -323,13 +325,16 @@ class LocalEngine:
         self._thread.start()
 
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from ..target.hf import load_model, load_tokenizer
 
         self.device = resolve_device(self.device_spec)
         self.dtype = resolve_dtype(self.dtype_spec, self.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+        self.tokenizer = load_tokenizer(self.tokenizer_dir, trust_remote_code=self.trust_remote_code)
         # dtype= at load time: .to(dtype) afterwards would also cast the fp32 RoPE buffers.
-        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype)
+        model = load_model(AutoModelForCausalLM, self.model_dir, trust_remote_code=self.trust_remote_code,
+                           dtype=self.dtype)
         model.to(self.device)
         model.eval()
         self.model = model

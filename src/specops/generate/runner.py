@@ -118,6 +118,7 @@ def build_engine(cfg: Config) -> Engine:
         model_name=name,
         tokenizer_dir=cfg.target.tokenizer,
         cuda_graphs=e.cuda_graphs,
+        trust_remote_code=cfg.target.trust_remote_code,
     )
 
 

@@ -53,11 +53,11 @@ def text_field(cfg: Any, name: str, default: Any = None) -> Any:
     return default
 
 
-def read_text_config(model_dir: str | os.PathLike[str]) -> Any:
+def read_text_config(model_dir: str | os.PathLike[str], *, trust_remote_code: bool = False) -> Any:
     """The text config of a model directory as a transformers config object. Cheap (no weights)."""
-    from transformers import AutoConfig
+    from .hf import load_config
 
-    return text_config(AutoConfig.from_pretrained(str(model_dir)))
+    return text_config(load_config(model_dir, trust_remote_code=trust_remote_code))
 
 
 def engine_default_aux_layer_ids(num_hidden_layers: int) -> list[int]:

@@ -170,29 +170,35 @@ def find_decoder(model: nn.Module, num_hidden_layers: int) -> nn.Module:
 
 
 def load_target(
-    model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"
+    model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
+    *, trust_remote_code: bool = False,
 ) -> TargetModel:
     """Load a causal LM, or a multimodal wrapper whose language model sits under `text_config`.
 
     dtype "auto": bf16 on CUDA, fp32 on CPU. Weights go straight to `device` (no CPU staging copy).
+    trust_remote_code: run the model directory's own classes (target/hf.py).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from .hf import load_config, load_model
 
     model_dir = Path(model_dir)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    config = AutoConfig.from_pretrained(str(model_dir))
+    config = load_config(model_dir, trust_remote_code=trust_remote_code)
     # The auto mappings are keyed by config class: plain LMs (and some wrappers, e.g. Gemma3) are
-    # causal LMs; Llava/Mistral3/Qwen-VL-style wrappers are image-text-to-text models.
+    # causal LMs; Llava/Mistral3/Qwen-VL-style wrappers are image-text-to-text models; a model
+    # class of the directory's own is found through its auto_map.
+    own = getattr(config, "auto_map", None) or {}
     for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
-        if type(config) in auto._model_mapping:
+        if type(config) in auto._model_mapping or (trust_remote_code and auto.__name__ in own):
             break
     else:
         raise SpecopsError(
             f"{model_dir}: model type {config.model_type!r} is neither a causal LM nor an "
             "image-text-to-text model transformers knows"
         )
-    model = auto.from_pretrained(str(model_dir), dtype=dt, device_map={"": str(dev)})
+    model = load_model(auto, model_dir, trust_remote_code=trust_remote_code, dtype=dt, device_map={"": str(dev)})
     model.eval().requires_grad_(False)
     text_cfg = text_config(config)
     decoder = find_decoder(model, int(text_cfg.num_hidden_layers))
