@@ -99,29 +99,16 @@ def extract_worker(a: argparse.Namespace) -> None:
 
 
 def compare_features(one: Path, many: Path) -> dict[str, object]:
-    """Same samples, ids and masks exactly; the features' largest absolute and relative differences."""
-    from specops.features import read_split
+    """Same samples, ids and masks exactly (else exit naming them); how far apart the features are
+    (specops.features.compare_splits: per-vector relative L2 differences, the largest absolute one)."""
+    from specops.features import compare_splits
 
-    a, b = read_split(one, dequantize=True), read_split(many, dequantize=True)
-    if sorted(a) != sorted(b):
-        missing, extra = sorted(set(a) - set(b))[:10], sorted(set(b) - set(a))[:10]
-        raise SystemExit(f"extract: the N-process shards hold other samples (missing {missing}, extra {extra})")
-    worst_abs = worst_rel = 0.0
-    equal = 0
-    for i in a:
-        for k in ("input_ids", "loss_mask"):
-            if not torch.equal(a[i][k], b[i][k]):
-                raise SystemExit(f"extract: sample {i}: {k} differs between 1 and N processes")
-        same = True
-        for k in ("aux", "final"):
-            x, y = a[i][k].float(), b[i][k].float()
-            d = (x - y).abs().max().item() if x.numel() else 0.0
-            worst_abs = max(worst_abs, d)
-            worst_rel = max(worst_rel, d / max(x.abs().max().item(), 1e-12) if x.numel() else 0.0)
-            same = same and d == 0.0
-        equal += same
-    return {"samples": len(a), "samples_bit_identical": equal, "max_abs_diff": worst_abs,
-            "max_rel_diff_to_max": worst_rel}
+    try:
+        c = compare_splits(many, one)
+    except ValueError as e:
+        raise SystemExit(f"extract: 1 vs N processes: {e}") from None
+    return {"samples": c["samples"], "samples_bit_identical": c["samples_bit_identical"],
+            "max_abs_diff": c["max_abs_diff"], "max_rel": max(c["max_rel"].values(), default=0.0)}
 
 
 def bench_extract(a: argparse.Namespace, work: Path) -> dict[str, object]:

@@ -144,7 +144,7 @@ def test_preflight_refuses_in_process_phases_for_a_target_no_device_holds(tmp_pa
     assert ex.status == "nogo" and ex.data["need_bytes"] == 530_787_429_376 and ex.data["device"] == "gpu0"
     assert ex.message.startswith("extract loads the target in process: 530.8 GB of weights (1026.41B parameters, "
                                   "1014.69B of them in 4 bits, the rest bfloat16), more than gpu0 holds (150.8 GB)"), ex.message
-    assert "the engine that serves it" in ex.message
+    assert '[extract] mode = "served"' in ex.message
     assert rows["target_memory.train"].status == "nogo" and 'train.mode = "offline"' in rows["target_memory.train"].message
     ev = rows["target_memory.eval"]
     assert ev.status == "nogo" and "[eval] served = true" in ev.message and "interop = false" in ev.message

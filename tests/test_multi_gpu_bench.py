@@ -32,7 +32,7 @@ def test_extract_two_processes_store_what_one_does(tmp_path):
     one, many = r["arms"]["one"], r["arms"]["many"]
     assert (one["nproc"], many["nproc"]) == (1, 2) and one["tokens"] == many["tokens"] > 0
     assert len(many["ranks_wall_s"]) == 2 and r["ratio"] > 0
-    assert r["features"]["samples"] == 12 and r["features"]["max_rel_diff_to_max"] < 1e-2
+    assert r["features"]["samples"] == 12 and r["features"]["max_rel"] < 1e-2
     names = [sh["name"] for sh in json.loads((tmp_path / "w" / "many" / "features" / "train" / "index.json")
                                               .read_text())["shards"]]
     assert {n[:8] for n in names} == {"shard-00", "shard-01"}  # both ranks wrote shards

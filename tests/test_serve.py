@@ -1,53 +1,13 @@
-"""`specops serve` with the real vLLM: follows the load, passes every tier, stops leaving nothing."""
+"""`specops serve` before anything starts: the vLLM and SGLang command lines, busy GPUs, bad drafters,
+the served-eval config. The real vLLM starting, passing every tier and stopping: test_serve_drafter.py."""
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
-import sys
 
 import pytest
 
-from specops.serverproc import free_port
-
 pytestmark = pytest.mark.vllm
-
-
-def test_serve_real_vllm_start_health_stop(tmp_path, shared_data, vllm_python):
-    py = vllm_python
-    port = free_port()
-    cfg = tmp_path / "c.toml"
-    cfg.write_text(
-        f'[campaign]\nname = "s"\ndir = "{tmp_path / "camp"}"\n[target]\nmodel = "smollm2"\n'
-        f'[serve]\nengine = "vllm"\npython = "{py}"\nport = {port}\ngpus = []\n'
-        f'extra_args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]\n'
-        f'[[datasets]]\nname = "x"\nsource = "spec_bench"\npath = "{shared_data / "spec_bench"}"\n'
-    )
-    up = subprocess.run([sys.executable, "-m", "specops", "serve", str(cfg), "--detach"],
-                        capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stderr[-3000:]
-    assert f"ready in" in up.stdout and f"http://127.0.0.1:{port}/v1" in up.stdout
-    assert "s] " in up.stderr  # load progress lines with the elapsed time
-    try:
-        health = subprocess.run([sys.executable, "-m", "specops", "health", str(cfg), "--url",
-                                 f"http://127.0.0.1:{port}/v1", "--window", "0.5"],
-                                capture_output=True, text=True, timeout=120)
-        assert health.returncode == 0, health.stdout + health.stderr
-    finally:
-        down = subprocess.run([sys.executable, "-m", "specops", "serve", str(cfg), "--stop"],
-                              capture_output=True, text=True, timeout=120)
-    assert down.returncode == 0 and "stopped server group" in down.stdout, down.stdout + down.stderr
-    import json
-
-    pgid = json.loads((tmp_path / "camp" / "run" / f"serve-{port}.json").read_text())["pgid"]
-    with pytest.raises(ProcessLookupError):
-        os.killpg(pgid, 0)
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a new server would; TIME_WAIT is fine
-    s.bind(("127.0.0.1", port))  # nothing listens there any more
-    s.close()
 
 
 def test_serve_refuses_busy_gpu_before_launch(tmp_path):

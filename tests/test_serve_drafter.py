@@ -12,7 +12,9 @@ layer ids shifted by one; a scrambled d2t), each caught by the interop check.
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -76,6 +78,8 @@ def test_serve_with_the_vllm_format_export_passes_the_drafter_tier_and_the_inter
     up = subprocess.run([*cli, "serve", cfg, "--detach"], capture_output=True, text=True, timeout=500)
     try:
         assert up.returncode == 0, up.stdout + up.stderr[-4000:]  # every tier passed, the drafter's too
+        assert "ready in" in up.stdout and f"http://127.0.0.1:{port}/v1" in up.stdout
+        assert "s] " in up.stderr  # load progress lines with the elapsed time
         assert f"drafter: {drafters['vllm']} (vllm format, {K} speculative tokens)" in up.stdout
         m = re.search(r"drafter tier pass: acceptance (\d+\.\d+) \(1 \+ (\d+) accepted / (\d+) drafts\) over a "
                       rf"probe of {PROBE_TOKENS} generated tokens \(1 request\); per position (.*)", up.stdout)
@@ -120,7 +124,13 @@ def test_serve_with_the_vllm_format_export_passes_the_drafter_tier_and_the_inter
         assert len(res["per_position_t0"]) == K and res["tau_t1"] >= 1.0
     finally:
         down = subprocess.run([*cli, "serve", cfg, "--stop"], capture_output=True, text=True, timeout=120)
-    assert "stopped server group" in down.stdout, down.stdout + down.stderr
+    assert down.returncode == 0 and "stopped server group" in down.stdout, down.stdout + down.stderr
+    with pytest.raises(ProcessLookupError):  # the whole process group is gone
+        os.killpg(record["pgid"], 0)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a new server would; TIME_WAIT is fine
+    s.bind(("127.0.0.1", port))  # nothing listens there any more
+    s.close()
     with capsys.disabled():
         print(f"\nvLLM drafter tier: acceptance {served:.3f} over {PROBE_TOKENS} tokens (k = {K}; "
               f"specops' own loop {drafters['tau'][0]:.3f}); per position {m.group(4)}; "

@@ -129,7 +129,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 0
     print(f"starting {cfg.serve.engine} for {cfg.target.model} on {cfg.serve.host}:{cfg.serve.port} "
           f"(log {camp.run_dir / f'serve-{cfg.serve.port}.log'})", file=sys.stderr, flush=True)
-    srv = serve.start(cfg, camp, on_poll=serve.follow_log())
+    features = None
+    if args.features:  # the target serving EAGLE-3 features (served extract), not a drafter
+        from .extract import served_features
+
+        features = served_features(cfg, camp)
+        print(f"features: layers {features[0]} + {features[1]} (the final state), files in {features[2]}",
+              file=sys.stderr, flush=True)
+    srv = serve.start(cfg, camp, on_poll=serve.follow_log(), features=features)
     print(f"ready in {srv.startup_s:.1f}s: {srv.url} (process group {srv.pgid})", flush=True)
     from .campaign import read_json
     from .checks.server import check_endpoint_sync
@@ -143,7 +150,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               f"{', served as the model' if d['served_as_model'] else ''})", flush=True)
     # With a drafter the health check includes the drafter tier: its counters must move and accept.
     rep = check_endpoint_sync(srv.url, expected_model=srv.served_name, progress_window_s=0.5,
-                              drafter=cfg.serve.drafter is not None)
+                              drafter=cfg.serve.drafter is not None and features is None)
     from rich.console import Console
 
     Console(stderr=True).print(rep.render())
@@ -493,6 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("config", help="campaign.toml ([target], [serve])")
     sv.add_argument("--detach", action="store_true", help="leave the server running once healthy")
     sv.add_argument("--stop", action="store_true", help="stop the server this campaign started")
+    sv.add_argument("--features", action="store_true",
+                    help="serve the target's EAGLE-3 hidden states for extract.mode = \"served\" (vLLM)")
     sv.set_defaults(func=_cmd_serve)
 
     rs = sub.add_parser("reset", help="archive (never delete) a phase's outputs and mark it pending")

