@@ -36,8 +36,9 @@ def make_llama(path: Path, hidden: int = 64, layers: int = L) -> Path:
     return path
 
 
-def write_build(build: Path, lengths: dict[str, list[int]], seed: int = 0) -> None:
-    """build/<split>.safetensors + <split>.ids.jsonl in the fixed format (DESIGN, File formats)."""
+def write_build(build: Path, lengths: dict[str, list[int]], seed: int = 0, ids: tuple[int, int] = (0, VOCAB)) -> None:
+    """build/<split>.safetensors + <split>.ids.jsonl in the fixed format (DESIGN, File formats);
+    token ids drawn uniformly from range(*ids)."""
     build.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     for split, lens in lengths.items():
@@ -46,7 +47,7 @@ def write_build(build: Path, lengths: dict[str, list[int]], seed: int = 0) -> No
         offsets[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
         save_file(
             {
-                "input_ids": torch.randint(0, VOCAB, (n,), generator=g, dtype=torch.int32),
+                "input_ids": torch.randint(*ids, (n,), generator=g, dtype=torch.int32),
                 "loss_mask": (torch.rand(n, generator=g) > 0.3).to(torch.uint8),
                 "offsets": offsets,
             },

@@ -19,9 +19,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
+from builders import write_build
 from specops.campaign import Campaign
 from specops.config import load_config
 from specops.extract import run_extract
@@ -38,22 +37,6 @@ CLI = [sys.executable, "-m", "specops"]
 # (<= 2^-7 of it) away, so a vector moves at most 2^-7 (features.compare_splits). Measured in bf16:
 # max 4.3e-3, typically 1e-4 to 6e-4.
 TOLERANCE = 2.0**-7
-
-
-def write_tokens_build(build: Path, lengths: dict[str, list[int]], seed: int = 0) -> None:
-    """build/<split>.safetensors + ids.jsonl of random SmolLM2 ids (100..49151: no special tokens)."""
-    build.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    for split, lens in lengths.items():
-        n = sum(lens)
-        offsets = torch.zeros(len(lens) + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor(lens).cumsum(0)
-        save_file({"input_ids": torch.randint(100, 49152, (n,), generator=g, dtype=torch.int32),
-                   "loss_mask": (torch.rand(n, generator=g) > 0.3).to(torch.uint8), "offsets": offsets},
-                  str(build / f"{split}.safetensors"))
-        with open(build / f"{split}.ids.jsonl", "w") as f:
-            for i, k in enumerate(lens):
-                f.write(json.dumps({"id": f"d/{split}{i}", "dataset": "d", "n_tokens": k, "n_trainable": k}) + "\n")
 
 
 LENGTHS = {"train": [37, 180, 64, 9, 250, 120, 75, 33, 140, 90, 12, 200], "val": [50, 130, 22]}
@@ -73,7 +56,7 @@ def campaign(root: Path, port: int, served_dir: Path, *, mode: str = "served", u
         f'[[datasets]]\nname = "d"\npath = "{prompts}"\n')
     c = load_config(cfg)
     Campaign.create_or_open(c)
-    write_tokens_build(root / "build", lengths)
+    write_build(root / "build", lengths, ids=(100, 49152))  # SmolLM2 ids, no special tokens
     return cfg
 
 

@@ -21,6 +21,20 @@ AUX_CONVENTION = "input-to-layer (= HF hidden_states index)"
 TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config", "language_model")
 
 
+class TextShape:
+    """The layer count and width of a target whose `config` is its text config (in process or served)."""
+
+    config: Any
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+
 def _field(cfg: Any, name: str) -> Any:
     return cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
 

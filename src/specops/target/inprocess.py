@@ -21,7 +21,7 @@ from torch import nn
 
 from ..errors import InputError, SpecopsError
 from ..models import resolve_device, resolve_dtype
-from .conventions import aux_layer_ids_problem, default_aux_layer_ids, text_config, text_field
+from .conventions import TextShape, aux_layer_ids_problem, default_aux_layer_ids, text_config, text_field
 
 log = logging.getLogger("specops.target")
 
@@ -34,7 +34,7 @@ _DECODER_PATHS = ("model.language_model", "language_model.model", "language_mode
 
 
 @dataclass(eq=False)
-class TargetModel:
+class TargetModel(TextShape):
     """A loaded target with the pieces EAGLE-3 needs; `decoder` is the text stack inside `model`."""
 
     model: nn.Module  # the HF model as loaded (ForCausalLM or a multimodal wrapper)
@@ -44,14 +44,6 @@ class TargetModel:
     model_dir: Path
     device: torch.device
     dtype: torch.dtype
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return int(self.config.num_hidden_layers)
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config.hidden_size)
 
     @property
     def vocab_size(self) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import SpecopsError
-from .conventions import aux_layer_ids_problem
+from .conventions import TextShape, aux_layer_ids_problem
 
 __all__ = ["ServedTarget", "extract_speculative_config", "connector_config", "PLUGIN_DIR", "CONNECTOR"]
 
@@ -57,7 +57,7 @@ def connector_config(storage_dir: str | os.PathLike[str]) -> dict[str, Any]:
             "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)}}
 
 
-class ServedTarget:
+class ServedTarget(TextShape):
     """The FeatureSource of a target behind vLLM servers (module docstring)."""
 
     def __init__(self, urls: Sequence[str], *, model: str, config: Any, model_dir: Path, layer_ids: Sequence[int],
@@ -79,14 +79,6 @@ class ServedTarget:
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="served-extract")
         self.requests = 0  # completions sent (the tests and the log read it)
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return int(self.config.num_hidden_layers)
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config.hidden_size)
 
     @property
     def vocab_size(self) -> int:
