@@ -52,50 +52,46 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     from specops.models import resolve_model_dir
     from specops.target.inprocess import compute_features, load_target, load_target_head
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small matmuls on a shared 2-core box
-    try:
-        md = resolve_model_dir("smollm2")
-        hf = json.loads((md / "config.json").read_text())
-        tok = AutoTokenizer.from_pretrained(str(md))
-        target = load_target(md, "float32", "cpu")
-        cfg = DrafterConfig.from_target(hf, draft_vocab, intermediate_size=256)
-        runner = TargetRunner(target, cfg.aux_layer_ids)
-        prompts = [chat_ids(tok, p) for p in FIT_PROMPTS[: len(answer_tokens)]]
-        answers = [target_generate(runner, p, max_new_tokens=n).tokens for p, n in zip(prompts, answer_tokens)]
-        seen = sorted({t for p, a in zip(prompts, answers) for t in p + a})
-        assert len(seen) <= draft_vocab, (len(seen), draft_vocab)
-        rest = [t for t in range(hf["vocab_size"]) if t not in set(seen)][: draft_vocab - len(seen)]
-        vocab = sorted(seen + rest)
-        head = load_target_head(md)
-        torch.manual_seed(0)
-        d = Eagle3Drafter(cfg)
-        d.init_from_target(head.embed.float(), head.lm_head.float(),
-                           torch.tensor(vocab) - torch.arange(draft_vocab))
-        samples = []
-        for p, a in zip(prompts, answers):
-            f = compute_features(target, torch.tensor([p + a]), None, cfg.aux_layer_ids)
-            mask = torch.tensor([False] * len(p) + [True] * len(a))
-            samples.append(Sample(torch.tensor(p + a), mask, f["aux"][0], f["final"][0]))
-        batch = collate([samples])
-        teacher = Teacher(head, d.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=torch.float32)
-        targets = teacher_targets(teacher, batch)
-        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=lr)
-        for _ in range(steps):
-            out = ttt_forward(d, batch, targets, steps=k, decay=0.8)
-            opt.zero_grad()
-            out.loss.backward()
-            opt.step()
-        d.eval()
-        taus = []
-        for p, a in zip(prompts, answers):
-            spec = speculative_generate(runner, d, p, k=k, max_new_tokens=len(a))
-            assert spec.tokens == a  # greedy speculative decoding is the target's own output
-            taus.append(sum(x + 1 for x in spec.accepted) / len(spec.accepted))
-        return FittedDrafter(drafter=d, hf_config=hf, model_dir=md, prompts=prompts, answers=answers,
-                             loop_tau=taus, k=k)
-    finally:
-        torch.set_num_threads(threads)
+    # every core: nothing else runs while a fixture fits (63 s on 2 cores, 78 s on one)
+    md = resolve_model_dir("smollm2")
+    hf = json.loads((md / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(md))
+    target = load_target(md, "float32", "cpu")
+    cfg = DrafterConfig.from_target(hf, draft_vocab, intermediate_size=256)
+    runner = TargetRunner(target, cfg.aux_layer_ids)
+    prompts = [chat_ids(tok, p) for p in FIT_PROMPTS[: len(answer_tokens)]]
+    answers = [target_generate(runner, p, max_new_tokens=n).tokens for p, n in zip(prompts, answer_tokens)]
+    seen = sorted({t for p, a in zip(prompts, answers) for t in p + a})
+    assert len(seen) <= draft_vocab, (len(seen), draft_vocab)
+    rest = [t for t in range(hf["vocab_size"]) if t not in set(seen)][: draft_vocab - len(seen)]
+    vocab = sorted(seen + rest)
+    head = load_target_head(md)
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg)
+    d.init_from_target(head.embed.float(), head.lm_head.float(),
+                       torch.tensor(vocab) - torch.arange(draft_vocab))
+    samples = []
+    for p, a in zip(prompts, answers):
+        f = compute_features(target, torch.tensor([p + a]), None, cfg.aux_layer_ids)
+        mask = torch.tensor([False] * len(p) + [True] * len(a))
+        samples.append(Sample(torch.tensor(p + a), mask, f["aux"][0], f["final"][0]))
+    batch = collate([samples])
+    teacher = Teacher(head, d.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=torch.float32)
+    targets = teacher_targets(teacher, batch)
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        out = ttt_forward(d, batch, targets, steps=k, decay=0.8)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    d.eval()
+    taus = []
+    for p, a in zip(prompts, answers):
+        spec = speculative_generate(runner, d, p, k=k, max_new_tokens=len(a))
+        assert spec.tokens == a  # greedy speculative decoding is the target's own output
+        taus.append(sum(x + 1 for x in spec.accepted) / len(spec.accepted))
+    return FittedDrafter(drafter=d, hf_config=hf, model_dir=md, prompts=prompts, answers=answers,
+                         loop_tau=taus, k=k)
 
 
 def write_checkpoint(drafter, out: Path) -> Path:
