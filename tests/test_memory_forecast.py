@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specops.checks.memory import quantized_bits, target_params, weight_bytes
+from specops.checks.sizing import KIMI_K2  # Kimi-K2 / K2.5's text model, INT4 routed experts
 from specops.models import resolve_model_dir
 
 
@@ -91,15 +92,6 @@ def test_quantized_moe_counts_its_experts_at_their_bits():
 
 
 # ---------------------------------------------------------------- preflight: refuse what cannot fit
-
-KIMI_K2 = {  # Kimi-K2 / K2.5's text model (DeepSeek-V3 architecture), INT4 routed experts
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "hidden_size": 7168,
-    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
-    "num_key_value_heads": 64, "n_routed_experts": 384, "n_shared_experts": 1, "first_k_dense_replace": 1,
-    "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-    "v_head_dim": 128, "vocab_size": 163840, "tie_word_embeddings": False,
-    "quantization_config": {"quant_method": "compressed-tensors",
-                            "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int"}}}}}
 
 
 def test_kimi_k2_on_paper():

@@ -238,3 +238,80 @@ def test_eval_served_settings_are_checked(tmp_path):
             config_from_dict({**base, "eval": bad})
     cfg = config_from_dict({**base, "eval": {"served": True, "server_url": "http://127.0.0.1:8000/v1"}})
     assert cfg.eval.interop and cfg.eval.served_concurrency == 8
+
+
+# ------------------------------------------------------------------------------ engine conventions
+
+
+def _deepseek_dir(path, **keys):
+    """A DeepSeek-V3 config.json (no weights): what server_argv and the checks read."""
+    import json
+
+    from tiny_targets import deepseek_config
+
+    path.mkdir(parents=True, exist_ok=True)
+    c = deepseek_config().to_dict()
+    for k in ("scoring_func", "topk_method"):
+        c.pop(k, None)
+    c.update({k: v for k, v in keys.items() if v is not None})
+    (path / "config.json").write_text(json.dumps(c))
+    return path
+
+
+def test_mla_targets_get_the_torch_rotary_on_cpu_vllm_only(tmp_path):
+    import json
+
+    from builders import make_llama
+
+    from specops.config import config_from_dict
+    from specops.serve import server_argv
+
+    ds = _deepseek_dir(tmp_path / "ds", scoring_func="sigmoid", topk_method="noaux_tc")
+    llama = make_llama(tmp_path / "llama")
+
+    def argv(model, engine="vllm", gpus=(), extra=()):
+        cfg = config_from_dict({"serve": {"engine": engine, "python": "py", "gpus": list(gpus),
+                                          "extra_args": list(extra)},
+                                "datasets": [{"name": "x", "source": "gsm8k"}]})
+        return server_argv(cfg, model)
+
+    cpu = argv(ds)
+    assert json.loads(cpu[cpu.index("--compilation-config") + 1]) == {"custom_ops": ["-rotary_embedding"]}
+    assert "--compilation-config" not in argv(ds, gpus=[0])  # GPUs: vLLM's CUDA rotary kernel is right
+    assert "--compilation-config" not in argv(ds, engine="sglang")
+    assert "--compilation-config" not in argv(llama)  # no MLA: its 3-D [tokens, heads, 64] query never occurs
+    own = argv(ds, extra=["--compilation-config", '{"level":0}'])
+    assert own.count("--compilation-config") == 1 and own[-1] == '{"level":0}'  # the user's own setting wins
+
+
+def test_deepseek_configs_whose_routing_the_engines_read_otherwise_are_refused(tmp_path):
+    from specops.campaign import Campaign
+    from specops.config import config_from_dict
+    from specops.errors import ConfigError
+    from specops.preflight import _engine_config_check
+    from specops.serve import start
+    from specops.target.conventions import engine_config_problems
+
+    assert engine_config_problems({"model_type": "llama", "num_hidden_layers": 2}) == []
+    good = {"model_type": "deepseek_v3", "num_hidden_layers": 2, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+    assert engine_config_problems(good) == []
+    assert engine_config_problems({"text_config": good, "model_type": "llava"}) == []
+    missing = engine_config_problems({"model_type": "deepseek_v3", "num_hidden_layers": 2})
+    assert len(missing) == 2 and "names no scoring_func" in missing[0] and "'softmax'" in missing[0]
+    assert "names no topk_method" in missing[1] and "noaux_tc" in missing[1]
+    wrapped = engine_config_problems({"model_type": "llava", "text_config": {**good, "scoring_func": "softmax"}})
+    assert wrapped and "has scoring_func = 'softmax'" in wrapped[0]
+    # preflight: a no-go row for the family, none for other targets
+    (row,) = _engine_config_check({"model_type": "deepseek_v3", "num_hidden_layers": 2})
+    assert row.status == "nogo" and "scoring_func" in row.message
+    (row,) = _engine_config_check(good)
+    assert row.status == "go"
+    assert _engine_config_check({"model_type": "llama", "num_hidden_layers": 2}) == []
+    # serve: refused before anything starts
+    ds = _deepseek_dir(tmp_path / "ds", topk_method="noaux_tc")
+    cfg = config_from_dict({"campaign": {"name": "c", "dir": str(tmp_path / "camp")}, "target": {"model": str(ds)},
+                            "serve": {"python": "/nonexistent/python", "gpus": []},
+                            "datasets": [{"name": "x", "source": "gsm8k"}]})
+    with pytest.raises(ConfigError, match=r"names no scoring_func"):
+        start(cfg, Campaign.create_or_open(cfg))
+    assert not list((tmp_path / "camp").rglob("serve-*.log"))

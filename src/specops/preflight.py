@@ -92,7 +92,22 @@ def _model_checks(cfg: Config, phases: list[str], out: dict[str, Any]) -> list[C
     need_tok = cfg.engine.kind == "local" or any(p != "generate" for p in phases)
     results, config = check_model(model_dir, tokenizer_dir=tok, need_tokenizer=need_tok)
     out["config"] = config
-    return results + _remote_code_check(cfg, phases, model_dir, tok or model_dir, need_tok)
+    return (results + _remote_code_check(cfg, phases, model_dir, tok or model_dir, need_tok)
+            + _engine_config_check(config))
+
+
+def _engine_config_check(config: dict[str, Any] | None) -> list[CheckResult]:
+    """A no-go when the serving engines would compute another model than transformers from this
+    config (target.conventions.engine_config_problems); a row only for the families that can."""
+    from .target.conventions import ROUTING_KEYS, ROUTING_MODEL_TYPES, engine_config_problems, text_config
+
+    if not config or text_config(config).get("model_type") not in ROUTING_MODEL_TYPES:
+        return []
+    problems = engine_config_problems(config)
+    if problems:
+        return [CheckResult("model.engine_config", "nogo", "; ".join(problems), {"problems": problems})]
+    keys = ", ".join(f"{k} = {v!r}" for k, v in ROUTING_KEYS.items())
+    return [CheckResult("model.engine_config", "go", f"routing stated for the engines: {keys}")]
 
 
 def _remote_code_check(cfg: Config, phases: list[str], model_dir: Path, tok_dir: Path,

