@@ -3,8 +3,9 @@ engine's `extract_hidden_states` through specops' connector (target/vllm_plugin)
 in-process path, the shifted-ids control, and SIGKILL mid-run then resume with every sample once
 and no request for a sample already written.
 
-One server for the module (`specops serve --features --detach`, ~40 s); the build holds random
-SmolLM2 token ids (the features of any ids must agree)."""
+Two servers for the module, data-parallel replicas sharing one file directory (`specops serve
+--features --detach`, started together, ~60 s); the build holds random SmolLM2 token ids (the
+features of any ids must agree)."""
 
 from __future__ import annotations
 
@@ -61,25 +62,34 @@ def campaign(root: Path, port: int, served_dir: Path, *, mode: str = "served", u
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, vllm_python):
-    """(url, served_dir, port): vLLM serving SmolLM2's features for AUX, started by `specops serve --features`."""
+def servers(tmp_path_factory, vllm_python):
+    """(urls, served_dir): two vLLM replicas (data parallel, one shared directory) serving SmolLM2's
+    features for AUX, started together by `specops serve --features`."""
     root = tmp_path_factory.mktemp("served-extract")
-    port, served_dir = free_port(), root / "hidden-states"
-    cfg = campaign(root / "srv", port, served_dir)
-    text = Path(cfg).read_text().replace('[serve]\n', f'[serve]\npython = "{vllm_python}"\n')
-    Path(cfg).write_text(text)
-    up = subprocess.run([*CLI, "serve", str(cfg), "--features", "--detach"], capture_output=True, text=True,
-                        timeout=600)
-    assert "ready in" in up.stdout, up.stdout + up.stderr[-4000:]
-    assert f"features: layers {AUX} + 30 (the final state), files in {served_dir}" in up.stderr
-    record = json.loads((root / "srv" / "run" / f"serve-{port}.json").read_text())
-    spec = json.loads(record["argv"][record["argv"].index("--speculative-config") + 1])
-    assert spec["method"] == "extract_hidden_states"
-    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [*AUX, 30]
-    kv = json.loads(record["argv"][record["argv"].index("--kv-transfer-config") + 1])
-    assert kv["kv_connector_module_path"] == "specops_hidden_states"
-    yield f"http://127.0.0.1:{port}/v1", served_dir, port
-    subprocess.run([*CLI, "serve", str(cfg), "--stop"], capture_output=True, text=True, timeout=120)
+    served_dir = root / "hidden-states"
+    cfgs = []
+    for name in ("a", "b"):
+        port = free_port()
+        cfg = campaign(root / name, port, served_dir)
+        Path(cfg).write_text(Path(cfg).read_text().replace('[serve]\n', f'[serve]\npython = "{vllm_python}"\n'))
+        cfgs.append((cfg, port))
+    procs = [subprocess.Popen([*CLI, "serve", str(cfg), "--features", "--detach"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for cfg, _ in cfgs]
+    try:
+        for (cfg, port), proc in zip(cfgs, procs):
+            out, err = proc.communicate(timeout=600)
+            assert "ready in" in out, out + err[-4000:]
+            assert f"features: layers {AUX} + 30 (the final state), files in {served_dir}" in err
+        record = json.loads((root / "a" / "run" / f"serve-{cfgs[0][1]}.json").read_text())
+        spec = json.loads(record["argv"][record["argv"].index("--speculative-config") + 1])
+        assert spec["method"] == "extract_hidden_states"
+        assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [*AUX, 30]
+        kv = json.loads(record["argv"][record["argv"].index("--kv-transfer-config") + 1])
+        assert kv["kv_connector_module_path"] == "specops_hidden_states"
+        yield [f"http://127.0.0.1:{port}/v1" for _, port in cfgs], served_dir
+    finally:
+        for cfg, _ in cfgs:
+            subprocess.run([*CLI, "serve", str(cfg), "--stop"], capture_output=True, text=True, timeout=120)
 
 
 def completed_requests(url: str) -> float:
@@ -87,13 +97,17 @@ def completed_requests(url: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
 
 
-def test_served_extract_equals_in_process_and_the_shifted_ids_do_not(server, tmp_path, capsys):
-    url, served_dir, port = server
-    served = campaign(tmp_path / "served", port, served_dir, urls=[url])
-    local = campaign(tmp_path / "local", port, served_dir, mode="offline")
+def test_served_extract_equals_in_process_and_the_shifted_ids_do_not(servers, tmp_path, capsys):
+    urls, served_dir = servers
+    served = campaign(tmp_path / "served", 8000, served_dir, urls=urls)
+    local = campaign(tmp_path / "local", 8000, served_dir, mode="offline")
     cfg_s, cfg_l = load_config(served), load_config(local)
     left = set(served_dir.glob("*.safetensors*"))  # the health check's completions at start
+    before = [completed_requests(u) for u in urls]
     s = run_extract(cfg_s, Campaign(cfg_s.campaign_dir()))
+    per_server = [completed_requests(u) - b for u, b in zip(urls, before)]
+    # round-robin over the replicas: every sample requested once, each replica about half
+    assert sum(per_server) == sum(map(len, LENGTHS.values())) and min(per_server) >= 5, per_server
     run_extract(cfg_l, Campaign(cfg_l.campaign_dir()))
     assert s["splits"]["train"]["tokens_written"] == sum(LENGTHS["train"])
     index = json.loads((tmp_path / "served" / "features" / "train" / "index.json").read_text())
@@ -104,7 +118,7 @@ def test_served_extract_equals_in_process_and_the_shifted_ids_do_not(server, tmp
         assert c["samples"] == len(LENGTHS[split]) and c["tokens"] == sum(LENGTHS[split])
         assert max(c["max_rel"].values()) < TOLERANCE and max(c["mean_rel"].values()) < TOLERANCE / 8, c
     # the control: in-process features of the ids one layer later are not what the server sent
-    shifted = campaign(tmp_path / "shifted", port, served_dir, mode="offline", aux=[i + 1 for i in AUX])
+    shifted = campaign(tmp_path / "shifted", 8000, served_dir, mode="offline", aux=[i + 1 for i in AUX])
     cfg_x = load_config(shifted)
     run_extract(cfg_x, Campaign(cfg_x.campaign_dir()), split="val")
     bad = compare_splits(tmp_path / "served" / "features" / "val", tmp_path / "shifted" / "features" / "val")
@@ -116,10 +130,10 @@ def test_served_extract_equals_in_process_and_the_shifted_ids_do_not(server, tmp
               f"samples bit-identical; shifted ids: max rel {bad['max_rel']}")
 
 
-def test_sigkill_mid_served_extract_then_resume_writes_every_sample_once(server, tmp_path):
-    url, served_dir, port = server
+def test_sigkill_mid_served_extract_then_resume_writes_every_sample_once(servers, tmp_path):
+    urls, served_dir = servers
     lengths = {"train": [40 + 7 * i for i in range(36)], "val": [30, 60]}
-    cfg = campaign(tmp_path / "kill", port, served_dir, urls=[url], shard_tokens=200, lengths=lengths)
+    cfg = campaign(tmp_path / "kill", 8000, served_dir, urls=urls, shard_tokens=200, lengths=lengths)
     out = tmp_path / "kill" / "features" / "train"
     proc = subprocess.Popen([*CLI, "extract", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -131,10 +145,11 @@ def test_sigkill_mid_served_extract_then_resume_writes_every_sample_once(server,
     done_shards = [p for p in out.glob("*.safetensors") if not p.name.startswith(".")]
     written = [si for p in done_shards for si in read_shard(p)["sample_index"].tolist()]
     assert 0 < len(written) < len(lengths["train"]), "killed too early or too late"
-    before = completed_requests(url)
+    time.sleep(1.0)  # requests the killed run had in flight finish on the servers
+    before = sum(map(completed_requests, urls))
     rerun = subprocess.run([*CLI, "extract", str(cfg)], capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    sent = completed_requests(url) - before
+    sent = sum(map(completed_requests, urls)) - before
     # no request for a sample already written: the rerun asked for the rest and the val split only
     assert sent == len(lengths["train"]) - len(written) + len(lengths["val"]), (sent, len(written))
     feats = read_split(out)
