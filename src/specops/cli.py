@@ -134,7 +134,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from .extract import served_features
 
         features = served_features(cfg, camp)
-        print(f"features: layers {features[0]} + {features[1]} (the final state), files in {features[2]}",
+        where = f"files in {features[2]}" if cfg.serve.engine == "vllm" else "states in each /generate response"
+        print(f"features: layers {features[0]} + {features[1]} (the final state), {where}",
               file=sys.stderr, flush=True)
     srv = serve.start(cfg, camp, on_poll=serve.follow_log(), features=features)
     print(f"ready in {srv.startup_s:.1f}s: {srv.url} (process group {srv.pgid})", flush=True)

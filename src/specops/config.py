@@ -203,13 +203,15 @@ class ExtractSection:
     batch_window: int = 8
     device: str = "auto"  # auto: cuda:<LOCAL_RANK> if available else cpu
     # offline: the target in this process; online: training computes features in process; served:
-    # the hidden states from vLLM serving the target (target/served.py), for a target no device here holds.
+    # the hidden states from the engine serving the target, for a target no device here holds:
+    # serve.engine names it, for the server extract starts and the servers below alike (vLLM:
+    # target/served.py; SGLang: target/served_sglang.py).
     mode: Literal["offline", "online", "served"] = "offline"
-    # served: running vLLM servers (.../v1, data-parallel replicas share the work) started with
+    # served: running servers (.../v1, data-parallel replicas share the work) started with
     # `specops serve --features` (or the same flags); empty: extract starts [serve] itself and stops it.
     server_urls: list[str] = field(default_factory=list)
-    # served: where the servers write their per-request files, read here (a shared path when the
-    # servers run elsewhere); default <campaign>/features/.served.
+    # served, vLLM: where the servers write their per-request files, read here (a shared path when
+    # the servers run elsewhere); default <campaign>/features/.served. SGLang writes none (refused).
     served_dir: str | None = None
     served_concurrency: int = 32  # served: requests in flight (one sample each)
     # Where the kernel is asked to start writing each written range to disk (features.resolve_writeback):

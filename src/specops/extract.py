@@ -385,6 +385,22 @@ def _check_extract_config(cfg: Config) -> None:
             raise ConfigError(f"extract.server_urls[{i}]: expected the OpenAI base URL ending in /v1, got {url!r}")
     if x.server_urls and x.mode != "served":
         raise ConfigError("extract.server_urls: only with extract.mode = \"served\"")
+    if x.mode == "served" and cfg.serve.engine == "sglang":  # target/served_sglang.py
+        from .target.served_sglang import sglang_family_problem, sglang_ids_problem
+
+        if x.served_dir is not None:
+            raise ConfigError("extract.served_dir: SGLang returns the states in each /generate response and "
+                              "writes no files (served_dir is for vLLM's connector); remove it")
+        problem = sglang_ids_problem(x.aux_layer_ids) if x.aux_layer_ids is not None else None
+        if problem:
+            raise ConfigError(f"extract.aux_layer_ids: {problem}")
+        config_json = resolve_model_dir(cfg.target.model) / "config.json"  # the config alone, no weights
+        try:
+            problem = sglang_family_problem(json.loads(config_json.read_text()))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"target.model: cannot read {config_json} ({e})") from None
+        if problem:
+            raise ConfigError(f"serve.engine = \"sglang\": {problem}")
 
 
 # Pipeline bounds (see `_Pipeline`). Pinned slots: each holds one batch's features (about
@@ -851,15 +867,21 @@ def _served_target(cfg: Config, campaign: Campaign, model_dir: Path, text_cfg: A
         from .serve import start
 
         storage = served_features(cfg, campaign)[2]
-        log.info("served extract: starting %s with the features of layers %s (+ %d, the final state); files in %s",
-                 cfg.serve.engine, layer_ids, int(text_cfg.num_hidden_layers), storage)
+        where = f"files in {storage}" if cfg.serve.engine == "vllm" else "states in each /generate response"
+        log.info("served extract: starting %s with the features of layers %s (+ %d, the final state); %s",
+                 cfg.serve.engine, layer_ids, int(text_cfg.num_hidden_layers), where)
         srv = start(cfg, campaign, features=(layer_ids, int(text_cfg.num_hidden_layers), storage))
         stack.callback(srv.stop)
         log.info("served extract: %s up in %.0f s", srv.url, srv.startup_s)
         urls = [srv.url]
     key = os.environ.get(cfg.engine.api_key_env) if cfg.engine.api_key_env else None
-    t = ServedTarget(urls, model=served_name(cfg.target.model, cfg.target.served_name), config=text_cfg,
-                     model_dir=model_dir, layer_ids=layer_ids, concurrency=x.served_concurrency, api_key=key)
+    cls: type[ServedTarget] = ServedTarget
+    if cfg.serve.engine == "sglang":  # the engine extract starts, and the one behind server_urls
+        from .target.served_sglang import ServedSglangTarget
+
+        cls = ServedSglangTarget
+    t = cls(urls, model=served_name(cfg.target.model, cfg.target.served_name), config=text_cfg,
+            model_dir=model_dir, layer_ids=layer_ids, concurrency=x.served_concurrency, api_key=key)
     stack.callback(t.close)
     return t
 
@@ -939,7 +961,7 @@ def run_extract(
         "compute_dtype": str(compute_dtype).removeprefix("torch."),
     }
     if served:  # a split is made by one kind of source: a resume with the other is refused
-        plan_base["source"] = "served"
+        plan_base["source"] = "served" if cfg.serve.engine == "vllm" else f"served:{cfg.serve.engine}"
     names = list(SPLITS) if split == "both" else [split]
     if rank == 0:
         campaign.set_phase("extract", "running", splits=names, world_size=world)

@@ -186,10 +186,9 @@ def server_argv(cfg: Config, model_dir: Path, drafter: ServedDrafter | None = No
     `resolve_drafter`, which runs here when [serve] drafter is set and none is given;
     `with_drafter=False`: the target alone whatever [serve] says (the served eval's baseline).
     `features` (aux layer ids, layer count L, the directory the files go to): the target serving
-    EAGLE-3 features for served extract (target/served.py) instead of any drafter; vLLM only."""
+    EAGLE-3 features for served extract instead of any drafter: vLLM's extract_hidden_states
+    (target/served.py) or SGLang's aux capture (target/served_sglang.py; no files, the directory unused)."""
     sv = cfg.serve
-    if features is not None and sv.engine != "vllm":
-        raise ConfigError(f"serve.engine = {sv.engine!r}: served extract runs on vLLM (extract_hidden_states)")
     if not with_drafter or features is not None:
         drafter = None
     elif drafter is None and sv.drafter is not None:
@@ -212,7 +211,15 @@ def server_argv(cfg: Config, model_dir: Path, drafter: ServedDrafter | None = No
         per_request = (sv.engine == "vllm" and not any(a.startswith(PER_REQUEST_METRICS_FLAG) for a in sv.extra_args)
                        and vllm_has_flag(python, PER_REQUEST_METRICS_FLAG))
         argv += drafter_argv(sv.engine, drafter, per_request_metrics=per_request)
-    if features is not None:
+    if features is not None and sv.engine == "sglang":
+        from .target.served_sglang import sglang_features_argv
+
+        try:  # the family decides whether SGLang gives the final state (served_sglang.py)
+            config = json.loads((Path(model_dir) / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"target.model: cannot read {Path(model_dir) / 'config.json'} ({e})") from None
+        argv += sglang_features_argv(features[0], features[1], config)
+    elif features is not None:
         from .target.served import connector_config, extract_speculative_config
 
         ids, L, storage = features

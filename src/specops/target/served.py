@@ -57,6 +57,23 @@ def connector_config(storage_dir: str | os.PathLike[str]) -> dict[str, Any]:
             "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)}}
 
 
+def _error_text(e: urllib.error.HTTPError) -> str:
+    """The server's own words for a refused request: the JSON error message vLLM and SGLang send
+    ({"error": {"message": ...}}, or "message" / "detail"), else the body's first 500 characters."""
+    try:
+        body = e.read().decode("utf-8", "replace")
+    except OSError:
+        return str(e.reason)
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body[:500] or str(e.reason)
+    err = data.get("error") if isinstance(data, dict) else None
+    msg = (err.get("message") if isinstance(err, dict) else err) or (
+        (data.get("message") or data.get("detail")) if isinstance(data, dict) else None)
+    return str(msg or body[:500])
+
+
 class ServedTarget(TextShape):
     """The FeatureSource of a target behind vLLM servers (module docstring)."""
 
@@ -90,38 +107,52 @@ class ServedTarget(TextShape):
     # -- one request
 
     def _post(self, url: str, ids: list[int]) -> dict[str, Any]:
-        body = json.dumps({"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0}).encode()
+        return self._post_json(f"{url}/completions",
+                               {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0})
+
+    def _post_json(self, endpoint: str, payload: dict[str, Any]) -> dict[str, Any]:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(f"{url}/completions", data=body, headers=headers, method="POST")
+        req = urllib.request.Request(endpoint, data=json.dumps(payload).encode(), headers=headers, method="POST")
         with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
             return json.loads(r.read())
 
-    def _row(self, ids: torch.Tensor) -> torch.Tensor:
-        """One sample's ids [T] -> its states [T, n_ids + 1, H] (fp32)."""
-        from safetensors.torch import load_file
+    # How a server must be started to answer with features (named in refusals and missing states).
+    hint = ("is it started with --speculative-config extract_hidden_states and a hidden-states "
+            "--kv-transfer-config (specops serve does both)?")
 
-        sent = [int(t) for t in ids.tolist()]
+    def _request(self, sent: list[int]) -> tuple[str, dict[str, Any]]:
+        """(url, response) of one sample's request, the servers taken round-robin. A connection
+        failure, a timeout, a 5xx, 408 or 429 is tried again (`attempts` in all); any other 4xx is the
+        server refusing the request itself (no flag for states, a prompt too long) and fails at once."""
         err: Exception | None = None
         for attempt in range(self.attempts):
             with self._lock:
                 url = self.urls[next(self._next)]
                 self.requests += 1
             try:
-                resp = self._post(url, sent)
-                break
+                return url, self._post(url, sent)
+            except urllib.error.HTTPError as e:
+                if e.code < 500 and e.code not in (408, 429):
+                    raise SpecopsError(f"served extract: {url} refused a {len(sent)}-token request (HTTP "
+                                       f"{e.code}: {_error_text(e)}); {self.hint}") from None
+                err = e
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 err = e
-                time.sleep(min(2.0 ** attempt, 10.0))
-        else:
-            raise SpecopsError(f"served extract: {len(sent)}-token request failed {self.attempts} times: {err}")
+            time.sleep(min(2.0 ** attempt, 10.0))
+        raise SpecopsError(f"served extract: {len(sent)}-token request failed {self.attempts} times: {err}")
+
+    def _row(self, ids: torch.Tensor) -> torch.Tensor:
+        """One sample's ids [T] -> its states [T, n_ids + 1, H] (fp32)."""
+        from safetensors.torch import load_file
+
+        sent = [int(t) for t in ids.tolist()]
+        url, resp = self._request(sent)
         path = ((resp.get("kv_transfer_params") or {}).get("hidden_states_path")
                 or ((resp.get("choices") or [{}])[0].get("kv_transfer_params") or {}).get("hidden_states_path"))
         if not path:
-            raise SpecopsError(f"served extract: {url} returned no kv_transfer_params.hidden_states_path; is it "
-                               "started with --speculative-config extract_hidden_states and a hidden-states "
-                               "--kv-transfer-config (specops serve does both)?")
+            raise SpecopsError(f"served extract: {url} returned no kv_transfer_params.hidden_states_path; {self.hint}")
         lock = path + ".lock"
         try:
             with open(lock) as lf:
