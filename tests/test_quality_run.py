@@ -49,9 +49,10 @@ def test_every_scale_gives_valid_variants(quality):
             assert set(v) - {"name"} <= quality.SWEEP_KEYS, (name, v)
             assert isinstance(v["lr"], float), (name, v)  # the winner's lr is reported, whoever wins
     h200 = quality.SCALES["h200"]
-    # the anchor at its own default tokens per step; our main recipe at 2,048 (the best on val of the sweep)
-    assert h200["anchor_total_seq_len"] == 8192 and h200["batch_tokens"] == 2048
-    assert quality.anchor_seq_len(h200) == 8192
+    # the anchor at our main run's tokens per step, 2,048 (the best on val of the sweep): one recipe
+    assert h200["anchor_total_seq_len"] is None and h200["batch_tokens"] == 2048
+    assert quality.anchor_seq_len(h200) == 2048
+    assert quality.anchor_seq_len({**h200, "anchor_total_seq_len": 8192}) == 8192
 
 
 def _train_config(tmp_path, train):
@@ -181,3 +182,73 @@ def test_the_sweep_chooses_by_the_eval_window_when_every_run_has_it(quality):
     assert quality.choose_run(runs, None) == (runs["main"], "sim_tau")
     runs["old"] = {"sim_tau": 4.5}  # a run without the head figures: everyone is judged by sim_tau
     assert quality.choose_run(runs, "sim_tau_head") == (runs["old"], "sim_tau")
+
+
+def _anchor_work(quality, tmp_path, monkeypatch):
+    """A work dir whose anchor has trained (anchor-train.json, a saved checkpoint) and a recorder in
+    place of run.py's command runner: [the script or verb of each command run]."""
+    ran = []
+
+    def sh(cmd, logfile, **kw):
+        ran.append(Path(str(cmd[1])).name if str(cmd[1]).endswith(".py") else " ".join(map(str, cmd[3:5])))
+        return 1.0
+
+    monkeypatch.setattr(quality, "sh", sh)
+    monkeypatch.setattr(quality, "_WARM", None)
+    import specops.models
+
+    monkeypatch.setattr(specops.models, "resolve_model_dir", lambda model: tmp_path / "target")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "anchor" / "run" / "checkpoints" / "epoch_0").mkdir(parents=True)
+    trained = {"convert_s": 4.0, "train_wall_s": 480.0, "timed_out": False, "tokens_per_step": 2048,
+               "epochs_saved": ["epoch_0"], "summary": {"speculators": {"tokens_per_s": 25790.0},
+                                                        "args": ["--total-seq-len", "2048"]}}
+    quality.write_result(tmp_path, "anchor-train", trained)
+    return ran, trained
+
+
+def test_a_trained_anchor_is_converted_again_never_trained_again(quality, tmp_path, monkeypatch):
+    """anchor-train.json is written as soon as the anchor's training ends; a rerun of the anchor phase
+    (its conversion or export check failed) converts the saved checkpoint and checks it, and trains
+    nothing: the first convert consumed the features."""
+    ran, trained = _anchor_work(quality, tmp_path, monkeypatch)
+    called = []
+    quality.phase_anchor(tmp_path, quality.SCALES["h200"], "smollm2", on_trained=lambda: called.append(1))
+    assert ran == ["speculators_to_eval.py", "export --check"] and called == [1]
+    anchor = quality.read_result(tmp_path, "anchor")
+    assert anchor["done"] and anchor["summary"] == trained["summary"] and anchor["to_eval_s"] == 1.0
+    quality.phase_anchor(tmp_path, quality.SCALES["h200"], "smollm2")  # done: nothing runs
+    assert len(ran) == 2
+
+
+def test_an_anchor_without_its_checkpoint_trains_again(quality, tmp_path, monkeypatch):
+    ran, _ = _anchor_work(quality, tmp_path, monkeypatch)
+    import shutil
+
+    shutil.rmtree(tmp_path / "anchor" / "run" / "checkpoints")
+    quality.phase_anchor(tmp_path, quality.SCALES["h200"], "smollm2")
+    assert ran == ["speculators_convert.py", "speculators_train.py", "speculators_to_eval.py", "export --check"]
+    again = quality.read_result(tmp_path, "anchor-train")
+    assert again["train_wall_s"] == 1.0 and again["tokens_per_step"] == 2048 and again["summary"] is None
+
+
+def test_collect_takes_the_anchors_rate_before_its_conversion(quality, tmp_path, monkeypatch):
+    """The anchor trained (anchor-train.json) and its conversion failed (no anchor.json): its rate is
+    still collected, and the main run at the same 2,048 tokens per step is the like-for-like one."""
+    _anchor_work(quality, tmp_path, monkeypatch)
+    quality.write_result(tmp_path, "lr-sweep", {"chosen": "lr-0.001", "runs": {
+        "lr-0.001": {"main": True, "batch_tokens": 2048, "train_tokens_per_s": 72342.0, "sim_tau": 4.3}}})
+    train = quality.phase_collect(tmp_path)["train"]
+    assert train["anchor_tokens_per_s"] == 25790.0 and train["anchor_tokens_per_step"] == 2048
+    assert train["ours_same_batch"] == "lr-0.001" and train["ratio_same_batch"] == pytest.approx(72342 / 25790)
+
+
+def test_main_only_leaves_no_variant(quality):
+    """`--main-only`: the h200 scale's nine variants are gone, whatever --set gave the sweep; the other
+    overrides hold."""
+    assert len(quality.sweep_variants(quality.scale_settings("h200"))) == 9
+    s = quality.scale_settings("h200", ["anchor_timeout_s=600", "sweep=({'lr': 3e-3},)"], main_only=True)
+    assert quality.sweep_variants(s) == [] and s["anchor_timeout_s"] == 600
+    assert quality.sweep_variants(quality.scale_settings("h200", ["sweep=({'lr': 3e-3},)"]))[0]["lr"] == 3e-3
+    with pytest.raises(ValueError, match="no_such_key"):
+        quality.scale_settings("h200", ["no_such_key=1"])

@@ -6,6 +6,7 @@
 # speculators wheels in /tmp/specsite (bench/quality/h200_call2.sh sets all of that up).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$repo"  # never the carried tree a later call replaces (h200_call2.sh)
 W=${QUALITY_WORK:-/root/q}
 mkdir -p "$W/results"
 export PYTHONPATH=/tmp/site:$repo/src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

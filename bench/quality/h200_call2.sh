@@ -21,6 +21,8 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "trans
 snap=/root/snap
 rm -rf "$snap" && mkdir -p "$snap"
 tar -C "$repo" --exclude=./.carry_a --exclude=./.carry_b --exclude=./.whl --exclude=./.git -cf - . | tar -C "$snap" -xf -
-setsid nohup bash "$snap/bench/quality/h200_bg.sh" > /root/q/bg.log 2>&1 < /dev/null &
+# Its working directory is the snapshot too: a later call replaces the carried tree, and a process
+# whose cwd was removed fails every getcwd() (Python's imports and oneMKL's library loads among them).
+(cd "$snap" && setsid nohup bash "$snap/bench/quality/h200_bg.sh" > /root/q/bg.log 2>&1 < /dev/null &)
 sleep 5
 exec bash bench/quality/h200_wait.sh "${1:-500}"

@@ -106,10 +106,12 @@ SCALES: dict[str, dict[str, Any]] = {
         sweep_timeout_s=240, sweep_start_by_s=720,
         # eval/checkpoint only at the end: a mid-run val pass or checkpoint would sit inside a metrics
         # window and count against our tokens/s (speculators' step times leave both out)
-        log_every=20, eval_every=100000, checkpoint_every=100000, anchor_lr=1e-3, anchor_timeout_s=480,
-        # speculators' own default tokens per step (--total-seq-len 8192: its recipe as shipped; our
-        # main run takes 2,048)
-        anchor_total_seq_len=8192,
+        # The anchor trains at our main run's tokens per step (anchor_total_seq_len None: 2,048), the
+        # step size that won our sweep, so the tau and rate rows compare the trainers at one recipe
+        # (its shipped default is 8,192: `--set anchor_total_seq_len=8192`). At 2,048 it trains at
+        # ~26K tok/s on an H100, ~8 min for the 2 epochs plus its compile: the cap leaves room for it.
+        log_every=20, eval_every=100000, checkpoint_every=100000, anchor_lr=1e-3, anchor_timeout_s=900,
+        anchor_total_seq_len=None,
         anchor_checkpoint_freq=0.5, anchor_warm=True,
         # The full sets (MT-bench 80 x 2 turns, HumanEval 80, GSM8K 80, Spec-Bench 480; T=1 MT-bench 80):
         # tau through the batched loop (eval.batch_size rows, evaluate/batched.py): 8 batch-1 workers
@@ -460,7 +462,8 @@ def phase_lr_sweep(work: Path, base: dict[str, Any], s: dict[str, Any], ours_dra
     if ours_drafter:
         log("lr-sweep: skipped (--ours-drafter: no drafter trained here)")
         return
-    main = {"lr": float(s["lr"]), **main_train(s), "name": variant_name({"lr": float(s["lr"])})}
+    main = {"lr": float(s["lr"]), "batch_tokens": s["batch_tokens"], **main_train(s),
+            "name": variant_name({"lr": float(s["lr"])})}
     extra = sweep_variants(s)
     prior = (read_result(work, "lr-sweep") or {}).get("runs", {})
     runs: dict[str, Any] = {main["name"]: {**_sweep_run(work / "campaign", main), "main": True}}
@@ -585,19 +588,52 @@ def phase_anchor(work: Path, s: dict[str, Any], model: str, on_trained: Any = No
     """The speculators trainer, unmodified, on the same build, features and draft vocab and the same
     epochs (its own recipe otherwise: Muon + AdamW at its default lr). bench/quality/README-speculators.md.
     `on_trained()` is called once its training has ended (alone on the device, for a clean rate): what
-    follows (its checkpoint's conversion and logit check) is untimed and may share the device."""
+    follows (its checkpoint's conversion and logit check) is untimed and may share the device.
+
+    Two results, so a failure after training costs nothing already measured: `anchor-train` (its
+    training rate, wall time and last validation, written as soon as training ends) and `anchor`
+    (the converted, checked drafter). A rerun with `anchor-train` present converts the saved
+    checkpoint again instead of training again (its convert consumed the features)."""
     if (r := read_result(work, "anchor")) and r.get("done"):
         log("anchor: done already")
         return
     from specops.models import resolve_model_dir
 
+    env = _anchor_env()
+    out, camp = work / "anchor", work / "campaign"
+    logf = work / "results" / "anchor.log"
+    trained = read_result(work, "anchor-train")
+    if trained and not _anchor_checkpoints(out):
+        log("anchor: anchor-train is recorded but no checkpoint is left: training again")
+        trained = None
+    if trained:
+        log(f"anchor: trained already ({trained['train_wall_s']:.0f} s); converting its checkpoint")
+    else:
+        trained = _anchor_train(work, s, model, out, camp, logf, env, resolve_model_dir)
+        write_result(work, "anchor-train", trained)
+        log("anchor: trained; rate " + str(((trained.get("summary") or {}).get("speculators") or {}).get("tokens_per_s")))
+    if on_trained is not None:
+        on_trained()
+    t_conv2 = sh([sys.executable, HERE / "speculators_to_eval.py", out / "run" / "checkpoints", out / "eval_drafter",
+                  "--campaign", camp, "--verify"], logf, env=env)
+    sh(specops("export", "--check", out / "eval_drafter"), logf)
+    write_result(work, "anchor", {"done": True, **trained, "to_eval_s": t_conv2})
+
+
+def _anchor_checkpoints(out: Path) -> list[str]:
+    ckpts = out / "run" / "checkpoints"
+    return sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
+
+
+def _anchor_train(work: Path, s: dict[str, Any], model: str, out: Path, camp: Path, logf: Path,
+                  env: dict[str, str], resolve_model_dir: Any) -> dict[str, Any]:
+    """Convert our features to speculators' layout (consuming them) and run its trainer; returns the
+    `anchor-train` result: convert and train wall seconds, whether the time cap stopped it, the
+    epochs it saved and speculators_train.py's summary (rates of both trainers, its last val)."""
     if _WARM is not None and _WARM.is_alive():
         log("anchor: waiting for the compile warm-up to finish")
         _WARM.join()
     site = os.environ.get("SPECULATORS_SITE", "")
-    env = _anchor_env()
-    out, camp = work / "anchor", work / "campaign"
-    logf = work / "results" / "anchor.log"
     t_conv = sh([sys.executable, HERE / "speculators_convert.py", camp, out / "data", "--workers",
                  str(min(16, os.cpu_count() or 1)), "--consume"], logf, env=env)
     train = [sys.executable, HERE / "speculators_train.py", "--data", out / "data", "--target",
@@ -618,29 +654,22 @@ def phase_anchor(work: Path, s: dict[str, Any], model: str, on_trained: Any = No
     except SystemExit as e:
         # Out of lease time: keep what its finished epochs saved (it checkpoints once per epoch) and
         # say so in the result; with no checkpoint at all the anchor failed.
-        ckpts = out / "run" / "checkpoints"
-        if "timeout after" not in str(e) or not (ckpts.is_dir() and any(ckpts.iterdir())):
+        if "timeout after" not in str(e) or not _anchor_checkpoints(out):
             raise
         timed_out, t_train = True, float(s["anchor_timeout_s"])
-        log(f"anchor: stopped at the {s['anchor_timeout_s']} s limit; evaluating its last epoch checkpoint")
+        log(f"anchor: stopped at the {s['anchor_timeout_s']} s limit; evaluating its last saved checkpoint")
         measure = [sys.executable, HERE / "speculators_train.py", "--measure", out / "run", "--ours", camp]
         with open(out / "run" / "summary.json", "w") as fh:
             subprocess.run([str(c) for c in measure], stdout=fh, stderr=subprocess.DEVNULL, check=False,
                            env={**os.environ, **env})
-    if on_trained is not None:
-        on_trained()
-    t_conv2 = sh([sys.executable, HERE / "speculators_to_eval.py", out / "run" / "checkpoints", out / "eval_drafter",
-                  "--campaign", camp, "--verify"], logf, env=env)
-    sh(specops("export", "--check", out / "eval_drafter"), logf)
     summ = out / "run" / "summary.json"
     summary = None
     if summ.is_file():
         txt = summ.read_text()  # --measure prints lines of text before its JSON
         start = 0 if txt.startswith("{") else txt.find("\n{") + 1
         summary = json.loads(txt[start:]) if start or txt.startswith("{") else None
-    write_result(work, "anchor", {"done": True, "convert_s": t_conv, "train_wall_s": t_train, "to_eval_s": t_conv2,
-                                  "timed_out": timed_out, "epochs_saved": sorted(p.name for p in (out / "run" / "checkpoints").iterdir()),
-                                  "summary": summary})
+    return {"convert_s": t_conv, "train_wall_s": t_train, "timed_out": timed_out,
+            "tokens_per_step": anchor_seq_len(s), "epochs_saved": _anchor_checkpoints(out), "summary": summary}
 
 
 def _summary(camp: Path) -> dict[str, Any]:
@@ -749,7 +778,7 @@ def trim_eval_sets(data: Path, limit: int, spec_limit: int | None = None) -> Non
 
 def phase_collect(work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"work": str(work)}
-    for name in ("env", "ours", "lr-sweep", "lr-sweep-error", "anchor", "anchor-error", "timing", "eval-ours-t0", "eval-anchor-t0", "eval-ours-t1", "eval-anchor-t1"):
+    for name in ("env", "ours", "lr-sweep", "lr-sweep-error", "anchor", "anchor-train", "anchor-error", "timing", "eval-ours-t0", "eval-anchor-t0", "eval-ours-t1", "eval-anchor-t1"):
         out[name] = read_result(work, name)
     taus: dict[str, Any] = {}
     for temp in ("t0", "t1"):
@@ -777,7 +806,8 @@ def phase_collect(work: Path) -> dict[str, Any]:
     out["tau"] = taus
     # training rates, measured the same way for both (speculators_train.py --measure): the anchor's
     # run, our main run, and the sweep's chosen variant (the drafter whose tau is above)
-    anchor_rate = (((out.get("anchor") or {}).get("summary") or {}).get("speculators") or {}).get("tokens_per_s")
+    anchor_run = out.get("anchor") or out.get("anchor-train") or {}  # its rate even when its conversion failed
+    anchor_rate = ((anchor_run.get("summary") or {}).get("speculators") or {}).get("tokens_per_s")
     sweep = out.get("lr-sweep") or {}
     runs = sweep.get("runs") or {}
     main_run = next((r for r in runs.values() if r.get("main")), {})
@@ -785,7 +815,7 @@ def phase_collect(work: Path) -> dict[str, Any]:
     train = {"anchor_tokens_per_s": anchor_rate, "ours_main_tokens_per_s": main_run.get("train_tokens_per_s"),
              "ours_chosen": sweep.get("chosen"), "ours_chosen_tokens_per_s": chosen.get("train_tokens_per_s")}
     # the like-for-like rate: our run (main or variant) at the anchor's tokens per step, if there is one
-    args = ((out.get("anchor") or {}).get("summary") or {}).get("args") or []
+    args = (anchor_run.get("summary") or {}).get("args") or []
     if "--total-seq-len" in args:
         seq = int(args[args.index("--total-seq-len") + 1])
         same = next((n for n, r in runs.items() if r.get("batch_tokens") == seq and r.get("train_tokens_per_s")), None)
@@ -816,6 +846,24 @@ def env_info(work: Path) -> None:
     write_result(work, "env", info)
 
 
+def scale_settings(scale: str, sets: list[str] = (), *, main_only: bool = False) -> dict[str, Any]:
+    """The scale's entries with the `--set KEY=VALUE` overrides (values parsed as Python literals,
+    else kept as strings); main_only empties the sweep (the main recipe alone)."""
+    s = {"lr_sweep": (), "sweep": (), "sweep_timeout_s": None, "sweep_start_by_s": None, "sweep_by": None, "train": {},
+         **SCALES[scale]}
+    for kv in sets:
+        key, sep, val = kv.partition("=")
+        if not sep or key not in s:
+            raise ValueError(f"--set {kv!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(s))}")
+        try:
+            s[key] = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            s[key] = val
+    if main_only:
+        s["sweep"], s["lr_sweep"] = (), ()
+    return s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("phase", choices=["all", "ours", "lr-sweep", "anchor", "timing", "eval", "collect", "configs"])
@@ -835,20 +883,17 @@ def main() -> None:
     ap.add_argument("--records", type=Path,
                     help="records.tar.xz of another run (generate/<dataset>/records.jsonl): seeds the campaign, "
                          "so generate resumes with every sample done (same datasets and sampling)")
+    ap.add_argument("--main-only", action="store_true",
+                    help="train the main recipe alone: no sweep variants (sweep=() lr_sweep=()); the lr-sweep "
+                         "phase then only records the main run (its val figures and rate) and links it as ours")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one entry of the scale (e.g. lr=1e-3, epochs=2, eval_limit=40); the value is "
                          "parsed as a Python literal, else kept as a string")
     args = ap.parse_args()
-    s = {"lr_sweep": (), "sweep": (), "sweep_timeout_s": None, "sweep_start_by_s": None, "sweep_by": None, "train": {},
-         **SCALES[args.scale]}
-    for kv in args.set:
-        key, sep, val = kv.partition("=")
-        if not sep or key not in s:
-            ap.error(f"--set {kv!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(s))}")
-        try:
-            s[key] = ast.literal_eval(val)
-        except (ValueError, SyntaxError):
-            s[key] = val
+    try:
+        s = scale_settings(args.scale, args.set, main_only=args.main_only)
+    except ValueError as e:
+        ap.error(str(e))
     work = args.work.resolve()
     if args.ours_drafter:
         args.ours_drafter = args.ours_drafter.resolve()
