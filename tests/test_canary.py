@@ -107,3 +107,69 @@ def test_all_cut_samples_that_loop_are_called_a_degenerate_decode():
         assert ("raise max_tokens (or set generate.expect_truncation" in p) == (not loops)
     assert check_records("ds", looping, [], reasoning_mode="off", expected_model="m", max_tokens=64,
                          expect_truncation=True) == []
+
+
+def test_a_dataset_whose_every_record_is_quarantined_stops_before_any_request(tmp_path):
+    """`specops generate` on two datasets, one whose every record is quarantined while it is read:
+    one line naming the dataset, the count and the first reason, before the engine is probed or a
+    request sent; nothing generated for the good dataset either; the phase is marked failed."""
+    import subprocess
+    import sys
+
+    from specops.config import dump_toml
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"id": "x", "prompt": "caf\xe9"}\n["a list, not a record"]\n{"id": "y", "prompt": \n')
+    with start_fake_server(tmp_path / "srv", model="fake-model") as srv:
+        cfg = cfg_for(tmp_path, srv.url)
+        toml = tmp_path / "c.toml"
+        toml.write_text(dump_toml(cfg.to_dict()).replace(
+            "[[datasets]]", f'[[datasets]]\nname = "bad"\npath = "{bad}"\n\n[[datasets]]', 1))
+        out = subprocess.run([sys.executable, "-m", "specops", "generate", str(toml), "--no-progress"],
+                             capture_output=True, text=True, timeout=120)
+        assert srv.requests() == []  # not even the health probe
+    line = (f"InputError: dataset 'bad': all 3 of its records were quarantined while reading {bad} (first, line 1: "
+            "not valid UTF-8 (byte 0xe9 at offset 26 of the line)); nothing to generate, no request sent. Fix the "
+            "input, or leave the dataset out of the campaign")
+    assert out.returncode == 2 and out.stderr.splitlines()[-1] == line, out.stderr[-2000:]
+    assert out.stdout == "" and "Traceback" not in out.stderr
+    gen = json.loads((tmp_path / "camp" / "manifest.json").read_text())["phases"]["generate"]
+    assert gen["state"] == "failed" and gen["error"] == line
+    assert not records_of(tmp_path).exists()
+
+
+def test_the_canary_says_its_records_were_quarantined_not_that_requests_failed(tmp_path):
+    """The canary itself (run_canary, the path that reported "every canary request failed (first
+    error: no sample produced)" for a dataset it could not read a sample from): no request sent,
+    the count and the first quarantine reason."""
+    import asyncio
+
+    from specops.campaign import Campaign
+    from specops.generate.canary import run_canary
+    from specops.generate.runner import build_engine
+
+    with start_fake_server(tmp_path / "srv", model="fake-model") as srv:
+        cfg = cfg_for(tmp_path, srv.url)
+        one = tmp_path / "one.jsonl"
+        one.write_text('{"id": "q0", "messages": [{"role": "assistant", "content": "no user turn"}]}\n')
+        cfg.datasets[0].path = str(one)
+        engine = build_engine(cfg)
+
+        async def canary():
+            await engine.start()
+            try:
+                return await run_canary(cfg, Campaign.create_or_open(cfg), engine)
+            finally:
+                await engine.close()
+
+        report = asyncio.run(canary())
+        assert srv.requests() == []
+    (problem,) = report.problems
+    reason = json.loads((tmp_path / "camp" / "canary" / "generate" / "ds" / "quarantine.jsonl").read_text())["reason"]
+    assert problem == f"ds: no canary request was sent: the one record it read was quarantined (first, line 1: {reason})"
+    assert report.datasets["ds"]["quarantined"] == 1 and report.datasets["ds"]["records"] == 0
+    probs = check_records("ds", [], [], reasoning_mode="off", expected_model=None, max_tokens=8,
+                          quarantined=[{"where": "line 2", "reason": "r2"}, {"where": "line 5", "reason": "r5"}])
+    assert probs == ["ds: no canary request was sent: all 2 records it read were quarantined (first, line 2: r2)"]
+    assert check_records("ds", [], [{"error": "HTTP 500"}], reasoning_mode="off", expected_model=None,
+                         max_tokens=8) == ["ds: every canary request failed (first error: HTTP 500)"]

@@ -1,41 +1,84 @@
 """`specops run` end to end on a tiny random target (local engine, CPU): every phase, then a rerun
-that skips them all; a failing gate stops before the phase."""
+that skips them all; a failing gate stops before the phase. The run ends with one line per phase,
+the verdict and the report's path (`--json`: each phase's result); so does each verb alone."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from specops.pipeline import GateFailed, run_all
+from specops.config import dump_toml
+from specops.pipeline import ORDER, GateFailed, run_all
 
 from builders import pipeline_config
 
-STOP_AT = "eval"
-
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 make_cfg = pipeline_config
 
 
-def test_full_pipeline_then_resume_skips_everything(tmp_path, tiny_target):
+def specops(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "specops", *args], capture_output=True, text=True, timeout=600,
+                          env=env)
+
+
+def test_full_pipeline_then_resume_skips_everything(tmp_path, tiny_target, capsys):
     cfg = make_cfg(tmp_path, tiny_target, eval={"datasets": ["mtbench"], "limit_per_dataset": 2, "k": 2,
                                                "max_new_tokens": 12})
-    res = run_all(cfg, stop=STOP_AT, progress=False)
+    toml = tmp_path / "campaign.toml"
+    toml.write_text(dump_toml(cfg.to_dict()))
+    out = specops("run", str(toml), "--no-progress")
+    assert out.returncode == 0, out.stderr[-3000:]
     camp = tmp_path / "camp"
     m = json.loads((camp / "manifest.json").read_text())
-    for phase in ("generate", "build", "extract", "train", "export", "eval")[: 1 + ("generate", "build", "extract", "train", "export", "eval").index(STOP_AT)]:
+    for phase in ORDER:
         assert m["phases"][phase]["state"] == "done", (phase, m["phases"][phase])
-    assert res["generate"]["sg"]["done"] == 10
+    counts = m["phases"]["generate"]["counts"]["sg"]
+    assert counts["done"] == 10
     assert (camp / "features" / "train" / "index.json").is_file()
     assert (camp / "drafter" / "export" / "vllm" / "config.json").is_file()
     assert [e for e in m["events"] if e["kind"] == "preflight"], "a gate ran before the phases"
-    again = run_all(cfg, stop=STOP_AT, progress=False)
-    assert all(v == "skipped (done)" for v in again.values()), again
+
+    # the ending: a line per phase (its time, what it made), the verdict, the report; nothing else
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(ORDER) + 2, out.stdout
+    rows = dict(re.fullmatch(r"(\w+) +(\d+s)  (.+)", line).group(1, 3) for line in lines[: len(ORDER)])
+    assert list(rows) == list(ORDER), out.stdout
+    assert rows["generate"] == (f"10 samples (sg 10); 0 failed, {counts['quarantined']} quarantined, "
+                                f"{counts['truncated']} cut at max_tokens")
+    b = json.loads((camp / "build" / "manifest.json").read_text())["counts"]
+    assert rows["build"].startswith(f"read {b['read']}, kept {b['kept']}, train {b['train']}, val {b['val']}")
+    ex = m["phases"]["extract"]["splits"]
+    assert rows["extract"].startswith(f"{ex['train']['n_tokens'] + ex['val']['n_tokens']:,} tokens of "
+                                      f"{ex['train']['n_samples'] + ex['val']['n_samples']} samples (train ")
+    assert rows["train"] == f"step 3 of 3, val simulated tau {m['phases']['train']['tau']:.2f}"
+    assert rows["export"] == f"vllm, speculators from step-3 in {camp / 'drafter' / 'export'}"
+    assert re.fullmatch(rf"tau {m['phases']['eval']['tau']:.2f} over 4 turns \(mtbench\); [\d.,]+ tok/s, "
+                        r"measured speedup \d+\.\d\dx", rows["eval"]), rows["eval"]
+    verdict = m["phases"]["eval"]["verdict"]
+    assert re.match(r"(GO|NO-GO): ", verdict) and lines[-2] == verdict
+    assert f"**{verdict}**" in (camp / "eval" / "report.md").read_text()
+    assert lines[-1] == f"report: {camp / 'eval' / 'report.md'} (report.html beside it)"
+    assert not re.search(r"^\s*[{}\[\]]", out.stdout, flags=re.M)  # no JSON on the terminal
+
+    # the reruns and each verb in process (the same CLI code, without a new interpreter each)
+    verb = in_process(capsys)
+    assert verb("run", str(toml), "--json") == (0, json.dumps({p: "skipped (done)" for p in ORDER}, indent=1) + "\n")
+    rc, text = verb("run", str(toml), "--to", "train")
+    assert rc == 0 and text.splitlines() == [f"{p:<8}  skipped  {rows[p]}" for p in ORDER[:4]] + [
+        f"no verdict: this run stopped at train (--to); `specops run {toml}` goes on to eval, which judges the drafter"]
+    check_each_verb(camp, toml, verb)
+
     # bench/compare_campaigns.py: a copy compares equal; a changed checkpoint weight does not
     import shutil
-    import subprocess
-    import sys
 
     import torch
     from safetensors.torch import load_file, save_file
@@ -52,6 +95,46 @@ def test_full_pipeline_then_resume_skips_everything(tmp_path, tiny_target):
     changed = subprocess.run([sys.executable, str(bench), str(camp), str(copy)], capture_output=True, text=True)
     res = json.loads(changed.stdout)
     assert changed.returncode == 1 and res["final checkpoint tensors"] is False and res["generate records"] is True
+
+
+def in_process(capsys):
+    """`specops ARGV` through cli.main in this process: (exit code, stdout)."""
+    from specops.cli import main
+
+    def verb(*argv: str) -> tuple[int, str]:
+        capsys.readouterr()
+        rc = main(list(argv))
+        return rc, capsys.readouterr().out
+
+    return verb
+
+
+def check_each_verb(camp: Path, toml: Path, verb) -> None:
+    """extract, train, export and eval alone on the finished campaign (their work is done or
+    small): one line each, eval's ending as `run`'s does; --json the summary."""
+    rc, text = verb("extract", str(camp))
+    assert rc == 0 and re.fullmatch(r"extract done in \d+s: [\d,]+ tokens of 9 samples \(train [\d,]+, val [\d,]+\), "
+                                    r"[\d.]+ MiB; 0 shard\(s\) written, 2 already done\n", text), text
+    # (extract --json: tests/test_progress.py)
+    rc, text = verb("train", str(camp))
+    assert rc == 0 and re.fullmatch(r"train done in \d+s: step 3 of 3, val simulated tau \d\.\d\d; checkpoint "
+                                    + re.escape(str(camp / "drafter" / "checkpoints" / "step-3")) + "\n", text), text
+    rc, text = verb("train", str(camp), "--json")
+    assert rc == 0 and json.loads(text)["step"] == 3
+    rc, text = verb("export", str(toml))
+    assert (rc, text) == (0, f"export done in 0s: vllm, speculators from step-3 in {camp / 'drafter' / 'export'}\n")
+    rc, text = verb("export", str(toml), "--format", "vllm", "--json")
+    assert rc == 0 and json.loads(text)["exports"] == {"vllm": str(camp / "drafter" / "export" / "vllm")}
+    rc, text = verb("eval", str(toml))
+    v = json.loads((camp / "eval" / "summary.json").read_text())["verdict"]
+    lines = text.splitlines()
+    assert rc == (1 if v["go"] is False else 0) and len(lines) == 3, text
+    assert re.fullmatch(r"eval done in \d+s: tau \d\.\d\d over 4 turns \(mtbench\); .+", lines[0]), text
+    assert lines[1:] == [v["line"], f"report: {camp / 'eval' / 'report.md'} (report.html beside it)"]
+    rc, text = verb("eval", str(toml), "--json")
+    doc = json.loads(text)
+    assert doc["overall"]["turns"] == 4 and doc["report"] == str(camp / "eval" / "report.md")
+    assert doc["verdict"] == json.loads((camp / "eval" / "summary.json").read_text())["verdict"]
 
 
 def test_gate_stops_before_the_phase(tmp_path, tiny_target, monkeypatch):

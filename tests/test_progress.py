@@ -357,7 +357,8 @@ def test_specops_extract_on_a_terminal_shows_the_bar(tmp_path):
             for i, k in enumerate(lens)))
     env = child_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     t0 = time.monotonic()
-    rc, term, stdout = run_on_pty([sys.executable, "-m", "specops", "extract", str(camp.root)], env, timeout=120)
+    rc, term, stdout = run_on_pty([sys.executable, "-m", "specops", "extract", str(camp.root), "--json"], env,
+                                  timeout=120)
     assert rc == 0, term
     assert time.monotonic() - t0 < 60
     total = sum(map(sum, lengths.values()))  # 1180 tokens in the plan

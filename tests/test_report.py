@@ -245,3 +245,31 @@ def test_report_shows_the_served_figures_beside_the_loop(tmp_path):
     assert "## Served by the engine" in text and "| 1 | 60.0 | 30.0 | 2.00 |" in text
     assert "first divergent token 7, first divergent step 0" in text and "Likely causes: aux layer ids: x" in text
     assert "NO-GO" in text.splitlines()[4]
+
+
+def test_the_run_ending_states_the_served_figures_and_the_reports_verdict(tmp_path):
+    """report_cli.run_summary on a campaign whose eval went through a server: the eval line carries
+    the served figures, the verdict line is the report's (the served interop failure), then its path."""
+    from specops.evaluate.report import brief
+    from specops.report_cli import run_summary
+
+    camp = make_campaign(tmp_path / "c", eval_toml="")
+    served = {"tau_t0": 2.5, "tau_t1": 1.8, "speedup": {"t0_c1": {"concurrency": 1, "speedup": 2.0}},
+              "interop": {"ok": False, "line": "interop check FAIL: served tau 1.0 vs specops' loop 2.5",
+                          "tau_served": 1.0, "tau_loop": 2.5}}
+    (camp.root / "eval" / "served.json").write_text(json.dumps(served))
+    summary = json.loads((camp.root / "eval" / "summary.json").read_text())
+    (camp.root / "eval" / "summary.json").write_text(json.dumps({**summary, "served": brief(served)}))
+    camp.set_phase("export", "running")
+    camp.set_phase("eval", "done", tau=3.2)
+    md, _ = write_report(camp)
+    lines = run_summary(camp.root, ["export", "eval"], {"eval": 65.4}, "c.toml")
+    assert lines == [
+        "export        -  not done (running)",
+        "eval      1m05s  tau 3.20 over 4 turns (mtbench, humaneval); 171.0 tok/s, measured speedup 3.42x; "
+        "served: tau 2.50 at T=0, 1.80 at T=1; speedup 2.00x at concurrency 1",
+        "NO-GO: the engine does not run the drafter as specops' loop does (interop check FAIL: served tau 1.0 vs "
+        "specops' loop 2.5)",
+        f"report: {md} (report.html beside it)",
+    ]
+    assert f"**{lines[2]}**" in md.read_text()

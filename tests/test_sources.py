@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import json
+import lzma
 import re
 import time
 import tracemalloc
@@ -348,6 +350,129 @@ def test_gzipped_jsonl(tmp_path: Path) -> None:
     src = open_source(ds(p))
     assert src.count() == 10
     assert len(run(ds(p))[0]) == 10
+
+
+# ---------------------------------------------------------------------------- compressed inputs
+
+
+def zstd_frames(data: bytes) -> bytes:
+    """`data` as two zstd frames (libzstd through pyarrow's codec) split mid-way, as `cat a.zst b.zst`
+    joins two files: a reader must go on past the first frame."""
+    import pyarrow as pa
+
+    cut = len(data) // 2
+    return b"".join(pa.compress(part, codec="zstd", asbytes=True) for part in (data[:cut], data[cut:]))
+
+
+COMPRESS = {"gzip": gzip.compress, "zstd": zstd_frames, "bzip2": bz2.compress, "xz": lzma.compress}
+MAGIC = {"gzip": b"\x1f\x8b", "zstd": b"\x28\xb5\x2f\xfd", "bzip2": b"BZh", "xz": b"\xfd7zXZ\x00"}
+SUFFIX = {"gzip": ".gz", "zstd": ".zst", "bzip2": ".bz2", "xz": ".xz"}
+
+
+@pytest.mark.parametrize("kind", sorted(COMPRESS))
+@pytest.mark.parametrize("name", ["d.jsonl", "d.jsonl+", "d.json", "d.json+", "data"])
+def test_compressed_input_is_read_by_its_magic_bytes_whatever_its_name(tmp_path: Path, kind: str, name: str) -> None:
+    """A compressed file named as plain JSONL (or with its suffix, or with none) is decompressed,
+    never read as text (every line quarantined as "not valid UTF-8 (byte 0x8b ...)")."""
+    recs = [msgs_rec(f"z{i} caf\u00e9", id=f"z{i}") for i in range(300)]
+    as_json = name.startswith("d.json") and not name.startswith("d.jsonl")
+    raw = (json.dumps(recs, ensure_ascii=False) if as_json else
+           "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)).encode()
+    p = tmp_path / name.replace("+", SUFFIX[kind])
+    p.write_bytes(COMPRESS[kind](raw))
+    assert p.read_bytes().startswith(MAGIC[kind])
+    src = open_source(ds(p))
+    s, q = split(list(src))
+    assert q == [] and [x.id for x in s] == [f"t/z{i}" for i in range(300)]
+    assert s[7].messages == [user("z7 caf\u00e9")] and s[7].meta["where"] == ("record 8" if as_json else "line 8")
+    assert src.count() == 300
+
+
+def test_zstd_without_a_decoder_is_one_clear_error(tmp_path: Path) -> None:
+    """No zstd decoder in the Python (the three it tries made unimportable in a real process): the
+    file is refused at open with the format and what to do, not read as text."""
+    import subprocess
+    import sys
+
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(zstd_frames(b'{"prompt": "a"}\n{"prompt": "b"}\n'))
+    code = ("import sys\n"
+            "for m in ('compression', 'compression.zstd', 'zstandard', 'pyarrow'):\n    sys.modules[m] = None\n"
+            "from specops.config import DatasetSection\nfrom specops.errors import InputError\n"
+            "from specops.sources import open_source\n"
+            "try:\n    open_source(DatasetSection(name='t', path=sys.argv[1]))\n"
+            "except InputError as e:\n    print(e)\n")
+    src_dir = Path(__file__).resolve().parents[1] / "src"
+    out = subprocess.run([sys.executable, "-c", code, str(p)], capture_output=True, text=True, timeout=60,
+                         env={**__import__("os").environ, "PYTHONPATH": str(src_dir)})
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout == (
+        f"{p}: zstd-compressed (it starts with the zstd magic bytes 28 b5 2f fd), and this Python has no zstd "
+        "decoder (the standard library's compression.zstd, the zstandard package, or pyarrow with its zstd "
+        "codec): decompress it first (`zstd -d`), or install the zstandard package\n")
+
+
+def test_zstd_cut_midway_keeps_the_records_before_the_cut(tmp_path: Path) -> None:
+    """A cut download: the records decoded before the cut stand, the rest is one quarantine entry.
+    (Random prompts: the compressed file is large, so a decoder that hands out its output in 64 KiB
+    blocks, pyarrow's, has delivered most of the first frame before the cut; 2,000 records each.)"""
+    import random
+
+    rng = random.Random(0)
+    recs = [{"id": f"r{i}", "prompt": rng.randbytes(40).hex()} for i in range(4000)]
+    whole = zstd_frames("".join(json.dumps(r) + "\n" for r in recs).encode())
+    p = tmp_path / "cut.jsonl"
+    p.write_bytes(whole[: 3 * len(whole) // 4])  # inside the second frame
+    src = open_source(ds(p))
+    s, q = split(list(src))
+    assert 1000 <= len(s) < 3000 and [x.id for x in s] == [f"t/r{i}" for i in range(len(s))]
+    assert len(q) == 1 and q[0].where.startswith("after line ") and src.count() >= len(s) + 1
+    assert q[0].reason.startswith("OSError: ") and q[0].reason.endswith(f"; the rest of {p} cannot be read")
+
+
+def test_archives_and_compressed_parquet_are_refused_by_name_of_their_format(tmp_path: Path) -> None:
+    import zipfile
+
+    plain = write_lines(tmp_path / "plain.jsonl", [msgs_rec("a")])
+    z = tmp_path / "prompts.jsonl"
+    with zipfile.ZipFile(z, "w") as zf:
+        zf.write(plain, "plain.jsonl")
+    with pytest.raises(InputError, match=re.escape(f"{z}: a zip archive, not a data file")):
+        open_source(ds(z))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["a", "b"]}), tmp_path / "p.parquet")
+    gz = tmp_path / "p.parquet.gz"
+    gz.write_bytes(gzip.compress((tmp_path / "p.parquet").read_bytes()))
+    with pytest.raises(InputError, match=re.escape(f"{gz}: gzip-compressed Parquet is not supported")):
+        open_source(ds(gz))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"\x1f\x8b\x09 not a gzip stream")
+    with pytest.raises(InputError, match=re.escape(f"{bad}: cannot read as gzip: ")):
+        open_source(ds(bad))
+
+
+def test_compressed_files_of_the_built_in_sources_and_of_eval(tmp_path: Path) -> None:
+    """A built-in source read from a compressed path, and eval's `file:` prompts (the reading
+    eval does before any model loads: specdec._work_items)."""
+    from specops.config import config_from_dict
+    from specops.evaluate.specdec import _eval_sections, _work_items
+
+    q = tmp_path / "question.jsonl"  # MT-bench's shape, zstd inside a plain name
+    q.write_bytes(zstd_frames(b"".join(json.dumps({"question_id": 80 + i, "category": "writing",
+                                                   "turns": [f"write {i}", "shorter"]}).encode() + b"\n"
+                                       for i in range(4))))
+    s, qq = run(ds(q, name="mt", source="mtbench"))
+    assert qq == [] and [x.id for x in s] == [f"mt/{80 + i}" for i in range(4)] and s[0].meta["category"] == "writing"
+    f = tmp_path / "mine.jsonl"
+    f.write_bytes(gzip.compress(b'{"id": "a", "prompt": "first"}\n{"id": "b", "prompt": "second"}\n'))
+    cfg = config_from_dict({"campaign": {"dir": str(tmp_path / "c")}, "datasets": [{"name": "tr", "path": str(f)}],
+                            "eval": {"datasets": [f"file:{f}", f"mtbench:{q}"], "limit_per_dataset": 10}})
+    evals = _eval_sections(cfg)
+    items, quarantined = _work_items(evals, {e.name: open_source(e) for e in evals}, {})
+    assert [i["id"] for i in items] == ["mine/a", "mine/b"] + [f"mtbench/{80 + i}" for i in range(4)]
+    assert quarantined == {"mine": [], "mtbench": []}
 
 
 def test_jsonl_in_a_dot_json_file(tmp_path: Path) -> None:

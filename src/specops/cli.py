@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from . import __version__
@@ -202,24 +203,19 @@ def _cmd_build(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.campaign:
         cfg.campaign.dir = args.campaign
+    t0 = time.monotonic()
     m = run_build(cfg)
     if args.json:
         print(json.dumps(m, indent=1))
     else:
-        print(_build_line(m))
+        print(_build_line(m, time.monotonic() - t0))
     return 0
 
 
-def _build_line(m: dict) -> str:
-    c = m.get("counts", {})
-    keys = ", ".join(f"{k} {v}" for k, v in c.items() if isinstance(v, int))
-    dv = m.get("draft_vocab") if isinstance(m.get("draft_vocab"), dict) else {}
-    cov = dv.get("coverage_train_pct")  # percent
-    rep = m.get("repetition") if isinstance(m.get("repetition"), dict) else {}
-    line = f"build done: {keys}" + (f"; draft-vocab coverage {cov:.1f}%" if isinstance(cov, (int, float)) else "")
-    if isinstance(rep.get("share"), (int, float)):
-        line += f"; loss tokens repeating a {rep['ngram']}-gram of their turn {100 * rep['share']:.1f}% ({rep['policy']})"
-    return line
+def _build_line(m: dict, elapsed_s: float | None = None) -> str:
+    from .report_cli import build_what, duration
+
+    return f"build done{'' if elapsed_s is None else ' in ' + duration(elapsed_s)}: {build_what(m)}"
 
 
 def _rank() -> int:
@@ -246,6 +242,7 @@ def _cmd_extract(args: argparse.Namespace) -> int:
 
     camp = _campaign_from_arg(args.campaign)
     cfg = _phase_config(camp)
+    t0 = time.monotonic()
     lock = RunLock(camp, "extract").acquire() if _rank() == 0 else None
     try:
         summary = run_extract(cfg, camp, split=args.split)
@@ -253,7 +250,12 @@ def _cmd_extract(args: argparse.Namespace) -> int:
         if lock is not None:
             lock.release()
     if _rank() == 0:
-        print(json.dumps(summary, indent=1))
+        if args.json:
+            print(json.dumps(summary, indent=1))
+        else:
+            from .report_cli import duration, extract_what
+
+            print(f"extract done in {duration(time.monotonic() - t0)}: {extract_what(summary)}")
     return 0
 
 
@@ -275,9 +277,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .drafter.train import run_train
 
     camp = _campaign_from_arg(args.campaign)
+    t0 = time.monotonic()
     summary = run_train(_phase_config(camp), camp, max_steps=args.max_steps)
     if _rank() == 0:
-        print(json.dumps(summary, indent=1))
+        if args.json:
+            print(json.dumps(summary, indent=1))
+        else:
+            from .report_cli import duration, train_what
+
+            what = train_what(summary.get("step"), summary.get("total_steps"), (summary.get("val") or {}).get("tau"),
+                              summary.get("checkpoint"))
+            if summary.get("finished"):
+                print(f"train done in {duration(time.monotonic() - t0)}: {what}")
+            else:
+                print(f"train stopped in {duration(time.monotonic() - t0)} (--max-steps): {what}; "
+                      f"`specops train {args.campaign}` resumes it")
     return 0
 
 
@@ -302,8 +316,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     cfg = load_config(args.campaign)
     camp = Campaign.create_or_open(cfg)
     formats = tuple(args.format.split(",")) if args.format else ("vllm", "speculators")
+    t0 = time.monotonic()
     out = run_export(cfg, camp, checkpoint=args.checkpoint, formats=formats)
-    print(json.dumps(out, indent=1))
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        from .report_cli import duration, export_what
+
+        print(f"export done in {duration(time.monotonic() - t0)}: {export_what(out)}")
     return 0
 
 
@@ -343,10 +363,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         os.environ["SPECOPS_PROGRESS"] = "plain"
     results = run_all(cfg, start=args.from_phase, stop=args.to_phase, skip_preflight=args.skip_preflight,
                       progress=False if args.no_progress else None)
-    print(json.dumps(results, indent=1, default=str))
-    rep = results.get("eval")
-    if isinstance(rep, dict) and rep.get("report"):
-        print(f"report: {rep['report']}")
+    if args.json:
+        print(json.dumps(results, indent=1, default=str))
+    else:
+        from .report_cli import run_summary
+
+        print("\n".join(run_summary(cfg.campaign_dir(), phases_between(args.from_phase, args.to_phase),
+                                     results.elapsed_s, args.config)))
     return 0
 
 
@@ -357,32 +380,43 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     camp = _campaign_from_arg(args.campaign)
     from .config import load_config
 
+    from .report_cli import duration, eval_what, report_line, served_what
+
     cfg = load_config(args.campaign) if args.campaign.endswith(".toml") else load_config(camp.config_path)
     served_only = bool(args.served or args.url)
     summary: dict = {}
+    lines: list[str] = []
+    out: dict = {}  # --json
     if not served_only:
+        t0 = time.monotonic()
         summary = run_eval(with_workers(cfg, args.workers, args.batch_size), camp, drafter_dir=args.drafter)
-        print(json.dumps(summary.get("overall", summary), indent=1, default=str))
+        out["overall"] = summary.get("overall", summary)
+        lines.append(f"eval done in {duration(time.monotonic() - t0)}: "
+                     f"{eval_what(out['overall'], list(summary.get('datasets') or []))}")
     if served_only or cfg.eval.served or cfg.eval.server_url:
         from .evaluate.report import verdict
         from .evaluate.report import brief
         from .serve import evaluate_served
 
+        t0 = time.monotonic()
         result = evaluate_served(cfg, camp, url=args.url, baseline_url=args.baseline_url,
                                  concurrency=args.concurrency, interop=False if args.no_interop else None)
         b = brief(result)
-        print(json.dumps(b, indent=1, default=str))
+        out["served"] = b
+        lines.append(f"served eval done in {duration(time.monotonic() - t0)}: {served_what(b)}")
         if result.get("interop"):
-            print(result["interop"]["line"])
+            lines.append(result["interop"]["line"])
         if not summary:
             summary = {"verdict": verdict({}, baseline_tokens_per_s=cfg.eval.baseline_tokens_per_s,
                                           min_tau=cfg.eval.min_tau, served=b)}
         else:
             summary = json.loads((camp.root / "eval" / "summary.json").read_text())
     md, html = write_report(camp)
-    print(f"report: {html}")
     v = summary.get("verdict") or {}
-    print(v.get("line", ""))
+    if args.json:
+        print(json.dumps({**out, "verdict": v, "report": str(md), "report_html": str(html)}, indent=1, default=str))
+    else:
+        print("\n".join([*lines, v.get("line", ""), report_line(md.parent)]))
     return 1 if v.get("go") is False else 0  # None: nothing judged (a served eval without a baseline)
 
 
@@ -430,11 +464,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("extract", help="target hidden states (3 aux layers + pre-norm final) -> features/")
     ex.add_argument("campaign", help="campaign directory or its campaign.toml")
     ex.add_argument("--split", choices=("train", "val", "both"), default="both")
+    ex.add_argument("--json", action="store_true", help="print the summary as JSON")
     ex.set_defaults(func=_cmd_extract)
 
     tr = sub.add_parser("train", help="train the EAGLE-3 drafter (training-time test, resumable)")
     tr.add_argument("campaign", help="campaign directory or its campaign.toml")
     tr.add_argument("--max-steps", type=int, help="stop after this step (resumable; the schedule is unchanged)")
+    tr.add_argument("--json", action="store_true", help="print the summary as JSON")
     tr.set_defaults(func=_cmd_train)
 
     xp = sub.add_parser("export", help="write drafters vLLM/SGLang and speculators load; --check validates any dir")
@@ -443,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     xp.add_argument("--format", help="comma-separated: vllm,speculators (default both)")
     xp.add_argument("--check", metavar="DIR", help="validate a drafter directory (ours or third-party)")
     xp.add_argument("--target", help="target model dir or config.json, to range-check layer ids (--check)")
-    xp.add_argument("--json", action="store_true")
+    xp.add_argument("--json", action="store_true", help="print the summary (or the --check report) as JSON")
     xp.set_defaults(func=_cmd_export)
 
     r = sub.add_parser("run", help="every phase in order with gates; done phases are skipped")
@@ -453,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--skip-preflight", action="store_true", help="no pre-flight gates (recorded in the manifest)")
     r.add_argument("--no-progress", action="store_true", help="plain log lines instead of progress bars")
     r.add_argument("--detach", action="store_true", help="run in the background (own session)")
+    r.add_argument("--json", action="store_true", help="print each phase's result as JSON instead of the summary")
     r.set_defaults(func=_cmd_run)
 
     ev = sub.add_parser("eval", help="real speculative decoding: tau, acceptance per position, speedup; report")
@@ -471,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--concurrency", type=int, metavar="N", help="the served eval's second throughput point "
                     "(overrides eval.served_concurrency)")
     ev.add_argument("--no-interop", action="store_true", help="skip the served-vs-loop interop check")
+    ev.add_argument("--json", action="store_true", help="print the figures, the verdict and the report's path as JSON")
     ev.set_defaults(func=_cmd_eval)
 
     pf = sub.add_parser("preflight", help="can I start? every GPU, disk vs forecast, RAM, model files, ports")

@@ -62,11 +62,20 @@ def _gate(cfg: Config, campaign: Campaign, phase: str, remaining: list[str]) -> 
             log.warning("preflight before %s: %s: %s", phase, r.name, r.message)
 
 
+class RunResults(dict):
+    """Each phase's result in order ("skipped (done)" for one skipped; what `run --json` prints),
+    with `elapsed_s`: the wall seconds of each phase that ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elapsed_s: dict[str, float] = {}
+
+
 def run_all(cfg: Config, *, start: str | None = None, stop: str | None = None, skip_preflight: bool = False,
-            progress: bool | None = None) -> dict[str, Any]:
+            progress: bool | None = None) -> RunResults:
     campaign = Campaign.create_or_open(cfg)
     todo = phases_between(start, stop)
-    results: dict[str, Any] = {}
+    results = RunResults()
     with RunLock(campaign, "run"):
         from .generate import _attach_log
 
@@ -111,7 +120,8 @@ def run_all(cfg: Config, *, start: str | None = None, stop: str | None = None, s
             if ((campaign.read_manifest() or {}).get("phases", {}).get(phase) or {}).get("state") == "done":
                 contract.record(campaign, phase)
             ran = phase
-            log.info("run: %s done in %.0fs", phase, time.time() - t0)
+            results.elapsed_s[phase] = time.time() - t0
+            log.info("run: %s done in %.0fs", phase, results.elapsed_s[phase])
     return results
 
 

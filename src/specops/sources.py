@@ -3,7 +3,10 @@
 `open_source(ds)` returns a `Source` with `name`, `count()` (a cheap upper bound) and `__iter__`,
 which streams `Sample | Quarantined` without ever holding a whole input file in memory.
 
-File containers (`source = "file"`), detected from the name and the first bytes, optionally gzipped:
+File containers (`source = "file"`), detected from the name and the first bytes. A file compressed
+with gzip, zstd, bzip2 or xz is recognised by its magic bytes, whatever it is called (`x.jsonl.gz`,
+or a gzip stream named `x.jsonl`), and read through the decompressor; zstd needs a decoder in this
+Python (`compression.zstd`, the `zstandard` package, or pyarrow's zstd codec), else InputError:
   * JSONL: split on b"\\n" only (U+2028/U+2029 inside strings are not line breaks), UTF-8 per line.
   * JSON: a list of records, or an object holding the list under "data"; decoded record by record,
     so a file truncated mid-record yields everything before the cut and quarantines the tail.
@@ -34,11 +37,13 @@ The configured system prompt is prepended after hashing, so it does not change i
 from __future__ import annotations
 
 import abc
+import bz2
 import codecs
 import gzip
 import hashlib
 import importlib.util
 import json
+import lzma
 import os
 import re
 import zlib
@@ -77,6 +82,7 @@ __all__ = ["Source", "open_source", "BUILTIN_SOURCES"]
 BUILTIN_SOURCES = ("sharegpt", "bfcl", "mtbench", "humaneval", "gsm8k", "alpacaeval", "spec_bench")
 
 _CHUNK = 1 << 20
+_DECODE_STEP = 64 << 10  # bytes asked of a decompressor per call (_Salvaging)
 _EXCERPT = 300
 # One JSONL line larger than the dataset's max_line_bytes (default this) is quarantined unread (a
 # file with no newlines, a binary blob): a reader never holds more than that plus one chunk.
@@ -147,13 +153,25 @@ class _Reader(abc.ABC):
 
 
 class _Salvaging:
-    """A gzip stream whose read(n) first returns what decompressed before a stream error (a cut or
-    damaged file) and raises that error on the next call, so no record before the damage is lost.
-    (GzipFile.read(n) drops the bytes it had gathered for `n` when the error hits.)"""
+    """A decompressing stream whose read(n) first returns what decompressed before a stream error (a
+    cut or damaged file) and raises that error on the next call, so no record before the damage is
+    lost. (GzipFile.read(n) drops the bytes it had gathered for `n` when the error hits.) A
+    decoder's own error class (`errors`) comes out as OSError naming the format, so every reader
+    treats it as a broken stream."""
 
-    def __init__(self, fh: IO[bytes]):
+    # Output asked of the decoder per call: a decoder that fills the whole request before returning
+    # (pyarrow's) loses what it had decoded for that call when the stream breaks, so at most this.
+    def __init__(self, fh: Any, kind: str, errors: tuple[type[BaseException], ...] = ()):
         self._fh = fh
+        self._kind = kind
+        self._errors = errors
         self._error: BaseException | None = None
+
+    def _read1(self, n: int) -> bytes:
+        try:
+            return self._fh.read1(n)
+        except self._errors as e:
+            raise OSError(f"{self._kind} stream: {e}") from e
 
     def read(self, n: int = -1) -> bytes:
         if self._error is not None:
@@ -162,7 +180,7 @@ class _Salvaging:
         got = 0
         while n < 0 or got < n:
             try:
-                b = self._fh.read1(n - got if n >= 0 else _CHUNK)  # type: ignore[attr-defined]
+                b = self._read1(min(n - got, _DECODE_STEP) if n >= 0 else _DECODE_STEP)
             except _STREAM_ERRORS as e:
                 self._error = e
                 if not parts:
@@ -170,7 +188,7 @@ class _Salvaging:
                 break
             if not b:
                 break
-            parts.append(b)
+            parts.append(bytes(b))
             got += len(b)
         return b"".join(parts)
 
@@ -184,14 +202,73 @@ class _Salvaging:
         self.close()
 
 
+# Compressed containers by their first bytes: (magic, format). bzip2's magic is "BZh", the block
+# size digit, then the first block's own magic; a JSON or JSONL file cannot start with any of them.
+_MAGIC = (
+    (b"\x1f\x8b", "gzip"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"PK\x03\x04", "zip"),
+)
+_BZIP2 = re.compile(rb"BZh[1-9]\x31\x41\x59\x26\x53\x59")
+_COMPRESSED_SUFFIXES = (".gz", ".gzip", ".zst", ".zstd", ".bz2", ".xz")
+
+
+def _compression(path: Path) -> str | None:
+    """The compression format of `path` from its first 10 bytes, or None for a file stored as is."""
+    with open(path, "rb") as fh:
+        head = fh.read(10)
+    for magic, kind in _MAGIC:
+        if head.startswith(magic):
+            return kind
+    return "bzip2" if _BZIP2.match(head) else None
+
+
+def _open_zstd(path: Path) -> _Salvaging:
+    """A zstd file through the first decoder this Python has: the standard library's
+    `compression.zstd` (3.14+), the `zstandard` package, or pyarrow's zstd codec (a dependency of
+    specops); all three read files of several frames."""
+    try:
+        from compression import zstd  # type: ignore[import-not-found]
+    except ImportError:
+        pass
+    else:
+        return _Salvaging(zstd.ZstdFile(path, "rb"), "zstd", (zstd.ZstdError,))
+    try:
+        import zstandard  # type: ignore[import-not-found]
+    except ImportError:
+        pass
+    else:
+        reader = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
+        return _Salvaging(reader, "zstd", (zstandard.ZstdError,))
+    try:
+        import pyarrow as pa
+    except ImportError:
+        pa = None
+    if pa is not None and pa.Codec.is_available("zstd"):
+        return _Salvaging(pa.CompressedInputStream(pa.OSFile(str(path)), "zstd"), "zstd")
+    raise InputError(
+        f"{path}: zstd-compressed (it starts with the zstd magic bytes 28 b5 2f fd), and this Python has no "
+        "zstd decoder (the standard library's compression.zstd, the zstandard package, or pyarrow with its "
+        "zstd codec): decompress it first (`zstd -d`), or install the zstandard package"
+    )
+
+
 def _open_bytes(path: Path) -> IO[bytes]:
-    if path.name.lower().endswith(".gz"):
-        return _Salvaging(gzip.open(path, "rb"))  # type: ignore[return-value]
-    return open(path, "rb")
-
-
-def _is_gzip(path: Path) -> bool:
-    return path.name.lower().endswith(".gz")
+    """The file's bytes, decompressed when its first bytes name a compression format."""
+    kind = _compression(path)
+    if kind is None:
+        return open(path, "rb")
+    if kind == "gzip":
+        return _Salvaging(gzip.open(path, "rb"), kind)  # type: ignore[return-value]
+    if kind == "zstd":
+        return _open_zstd(path)  # type: ignore[return-value]
+    if kind == "bzip2":
+        return _Salvaging(bz2.open(path, "rb"), kind)  # type: ignore[return-value]
+    if kind == "xz":
+        return _Salvaging(lzma.open(path, "rb"), kind, (lzma.LZMAError,))  # type: ignore[return-value]
+    raise InputError(f"{path}: a {kind} archive, not a data file: extract the JSONL, JSON or Parquet file "
+                     "from it and give that path")
 
 
 class _JsonlReader(_Reader):
@@ -573,15 +650,18 @@ def _file_reader(path: Path, prefix: str = "") -> _Reader:
     if path.is_dir():
         raise InputError(f"{path}: is a directory, expected a JSONL, JSON or Parquet file")
     name = path.name.lower()
-    base = name[:-3] if name.endswith(".gz") else name
+    base = next((name[: -len(x)] for x in _COMPRESSED_SUFFIXES if name.endswith(x)), name)
+    kind = None
     try:
+        kind = _compression(path)
         with _open_bytes(path) as fh:
             head = fh.read(65536)
     except (OSError, EOFError) as e:
-        raise InputError(f"{path}: cannot read: {e}") from e
-    if base.endswith(".parquet") or (head.startswith(b"PAR1") and not _is_gzip(path)):
-        if _is_gzip(path):
-            raise InputError(f"{path}: gzipped Parquet is not supported; decompress it first")
+        raise InputError(f"{path}: cannot read{f' as {kind}' if kind else ''}: {e}") from e
+    if base.endswith(".parquet") or head.startswith(b"PAR1"):
+        if kind is not None:
+            raise InputError(f"{path}: {kind}-compressed Parquet is not supported (Parquet compresses its own "
+                             "columns); decompress it first")
         return _ParquetReader(path, prefix)
     if base.endswith((".jsonl", ".ndjson")):
         return _JsonlReader(path, prefix)

@@ -21,7 +21,7 @@ from typing import Any, Iterable
 from ..campaign import Campaign, atomic_write_bytes, now_iso, read_json
 from ..measures import simulated_tau
 
-__all__ = ["write_report", "verdict", "line_chart", "bar_chart"]
+__all__ = ["write_report", "verdict", "campaign_verdict", "line_chart", "bar_chart"]
 
 _SVG_NS = "http://www.w3.org/2000/svg"
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf")
@@ -381,6 +381,27 @@ def _eval_lines(campaign: Campaign, summary: dict[str, Any] | None) -> tuple[flo
     return ev.get("baseline_tokens_per_s"), ev.get("min_tau")
 
 
+def _judge(camp: Campaign) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
+    """(eval/summary.json, eval/served.json, the verdict on them against the campaign's lines)."""
+    out_dir = camp.root / "eval"
+    summary = read_json(out_dir / "summary.json")
+    served = read_json(out_dir / "served.json")
+    line_tps, min_tau = _eval_lines(camp, summary)
+    if summary is not None or served is not None:
+        v = verdict((summary or {}).get("overall") or {}, baseline_tokens_per_s=line_tps, min_tau=min_tau,
+                    served=brief(served) if served is not None else None)
+    else:
+        v = {"go": False, "line": "NO-GO: no eval results (eval/summary.json is missing; run `specops eval`)",
+             "checks": []}
+    return summary, served, v
+
+
+def campaign_verdict(campaign: Campaign | str | Path) -> dict[str, Any]:
+    """The verdict the report states ({go, line, checks}): the eval files judged against the
+    campaign's go/no-go lines, as write_report judges them."""
+    return _judge(campaign if isinstance(campaign, Campaign) else Campaign(campaign))[2]
+
+
 # ---------------------------------------------------------------- the report
 
 
@@ -437,15 +458,8 @@ def write_report(campaign: Campaign | str | Path) -> tuple[Path, Path]:
     out_dir = camp.root / "eval"
     plots_dir = out_dir / "plots"
     plots_dir.mkdir(parents=True, exist_ok=True)
-    summary = read_json(out_dir / "summary.json")
-    served = read_json(out_dir / "served.json")
-    line_tps, min_tau = _eval_lines(camp, summary)
-    if summary is not None or served is not None:
-        v = verdict((summary or {}).get("overall") or {}, baseline_tokens_per_s=line_tps, min_tau=min_tau,
-                    served=brief(served) if served is not None else None)
-    else:
-        v = {"go": False, "line": "NO-GO: no eval results (eval/summary.json is missing; run `specops eval`)",
-             "checks": []}
+    summary, served, v = _judge(camp)
+    line_tps, min_tau = _eval_lines(camp, summary)  # the lines drawn on the plots
 
     md: list[str] = [f"# specops report: {camp.root.name}", "", f"Generated {now_iso()}.", "", f"**{v['line']}**", ""]
     hb: list[str] = [f"<h1>specops report: {html.escape(camp.root.name)}</h1>",

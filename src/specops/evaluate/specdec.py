@@ -395,15 +395,18 @@ def _work_items(evals: list[DatasetSection], sources: dict[str, Any], seen: dict
             elif item.id not in seen.get(ds.name, {}):
                 items.append({"index": len(items), "dataset": ds.name, "id": item.id, "messages": item.messages})
         if len(items) == first:
-            raise InputError(_no_usable_prompt(ds.name, len(q), seen.get(ds.name, {})))
+            raise InputError(_no_usable_prompt(ds.name, q, seen.get(ds.name, {})))
     return items, quarantined
 
 
-def _no_usable_prompt(name: str, quarantined: int, in_training: dict[str, str]) -> str:
-    """Why an eval dataset has nothing left: its prompts are training prompts, quarantined, or both."""
+def _no_usable_prompt(name: str, quarantine: list[dict[str, Any]], in_training: dict[str, str]) -> str:
+    """Why an eval dataset has nothing left: its prompts are training prompts, quarantined, or both.
+    `quarantine`: its quarantined records ({where, reason}), the first named with its reason."""
     n = len(in_training)
+    quarantined = len(quarantine)
     if not n:
-        return f"eval dataset {name!r}: no usable prompt ({quarantined} quarantined)"
+        first = f"; first, {quarantine[0]['where']}: {quarantine[0]['reason']}" if quarantine else ""
+        return f"eval dataset {name!r}: no usable prompt ({quarantined} quarantined{first})"
     where = ", ".join(repr(t) for t in sorted(set(in_training.values())))
     if n == 1:
         why = f"1 prompt was left out because it is a training prompt (training dataset {where})"

@@ -18,9 +18,10 @@ def run_generate(cfg: Config, *, retry_failed: bool = False, progress: bool | No
                  canary: bool = True, lock: bool = True):
     """Run (or resume) the generate phase of `cfg`'s campaign. Returns a GenerateSummary.
 
-    Order: lock -> engine start -> canary (a few samples per dataset, validated) -> full run.
+    Order: lock -> every dataset has a usable record (runner.require_usable_records) -> engine
+    start -> health gate -> canary (a few samples per dataset, validated) -> full run.
     """
-    from .runner import Runner, build_engine
+    from .runner import Runner, build_engine, require_usable_records
 
     campaign = Campaign.create_or_open(cfg)
     with RunLock(campaign, "generate") if lock else contextlib.nullcontext():
@@ -35,6 +36,7 @@ def run_generate(cfg: Config, *, retry_failed: bool = False, progress: bool | No
         runner.alerter = alerter = Alerter.from_config(cfg, str(campaign.root))
 
         async def main():
+            require_usable_records(cfg)  # before the engine loads or a probe is sent
             await engine.start()
             try:
                 if hasattr(engine, "probe"):

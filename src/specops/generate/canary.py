@@ -40,12 +40,19 @@ class CanaryReport:
 
 def check_records(name: str, records: list[dict[str, Any]], failed: list[dict[str, Any]], *,
                   reasoning_mode: str, expected_model: str | None, max_tokens: int,
-                  expect_truncation: bool = False) -> list[str]:
-    """The canary's verdict on one dataset's records: a list of problems (empty = fine)."""
+                  expect_truncation: bool = False, quarantined: list[dict[str, Any]] | None = None) -> list[str]:
+    """The canary's verdict on one dataset's records: a list of problems (empty = fine).
+    `quarantined`: the quarantine.jsonl entries ({where, reason}) of the canary's read."""
     problems: list[str] = []
     if not records:
-        err = failed[0]["error"] if failed else "no sample produced"
-        return [f"{name}: every canary request failed (first error: {err})"]
+        if failed:
+            return [f"{name}: every canary request failed (first error: {failed[0]['error']})"]
+        if quarantined:
+            q = quarantined[0]
+            n = len(quarantined)
+            read = "the one record it read was" if n == 1 else f"all {n} records it read were"
+            return [f"{name}: no canary request was sent: {read} quarantined (first, {q['where']}: {q['reason']})"]
+        return [f"{name}: the canary read no record, so no request was sent"]
     empty = [r["id"] for r in records if not (r.get("content") or "").strip() and not _has_tool_calls(r)]
     if empty:
         problems.append(f"{name}: {len(empty)}/{len(records)} samples came back with empty content ({empty[0]})")
@@ -131,10 +138,11 @@ async def run_canary(cfg: Config, campaign: Campaign, engine: Engine) -> CanaryR
             report.datasets[ds.name] = {"records": 0, "failed": 0, "problems": [], "empty_input": True}
             continue
         d = camp.dataset_dir(ds.name)
-        recs, failed = _read(d / "records.jsonl"), _read(d / "failed.jsonl")
+        recs, failed, quarantined = (_read(d / f) for f in ("records.jsonl", "failed.jsonl", "quarantine.jsonl"))
         probs = check_records(ds.name, recs, failed, reasoning_mode=cfg.generate.reasoning,
                               expected_model=expected, max_tokens=cfg.sampling_for(ds).max_tokens,
-                              expect_truncation=cfg.generate.expect_truncation)
-        report.datasets[ds.name] = {"records": len(recs), "failed": len(failed), "problems": probs}
+                              expect_truncation=cfg.generate.expect_truncation, quarantined=quarantined)
+        report.datasets[ds.name] = {"records": len(recs), "failed": len(failed), "quarantined": len(quarantined),
+                                    "problems": probs}
         report.problems.extend(probs)
     return report

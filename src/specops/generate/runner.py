@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from ..campaign import Campaign, atomic_write_json, now_iso
 from ..config import Config, DatasetSection
-from ..errors import ConfigError, Interrupted, SpecopsError
+from ..errors import ConfigError, InputError, Interrupted, SpecopsError
 from ..progress import ROUTINE, phase_progress
 from .journal import DiskFull, Journal
 from ..sources import Quarantined, Sample, open_source
@@ -120,6 +120,30 @@ def build_engine(cfg: Config) -> Engine:
         cuda_graphs=e.cuda_graphs,
         trust_remote_code=cfg.target.trust_remote_code,
     )
+
+
+def require_usable_records(cfg: Config) -> None:
+    """Every dataset must yield at least one sample: one whose every record is quarantined while it
+    is read (a binary file, the wrong shape, every line broken) stops the campaign here, before any
+    engine starts or request goes out, naming the dataset, the count and the first reason. Reads
+    each dataset up to its first usable record (the whole of it only when none is usable). An input
+    with no records at all (an empty file) passes: the runner warns about it and reports it."""
+    for ds in cfg.datasets:
+        source = open_source(ds, default_system_prompt=cfg.generate.system_prompt)
+        quarantined, first = 0, None
+        for item in source:
+            if isinstance(item, Sample):
+                break
+            quarantined += 1
+            first = first or item
+        else:
+            if first is not None:
+                what = ", ".join(source.paths) or f"source {ds.source!r}"
+                every = "its one record was" if quarantined == 1 else f"all {quarantined} of its records were"
+                raise InputError(
+                    f"dataset {ds.name!r}: {every} quarantined while reading {what} (first, {first.where}: "
+                    f"{first.reason}); nothing to generate, no request sent. Fix the input, or leave the "
+                    "dataset out of the campaign")
 
 
 class Runner:
