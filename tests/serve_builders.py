@@ -47,7 +47,8 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     from transformers import AutoTokenizer
 
     from specops.drafter.model import DrafterConfig, Eagle3Drafter
-    from specops.drafter.train import Sample, Teacher, collate, teacher_targets, ttt_forward
+    from specops.drafter.batch import Teacher, teacher_targets
+    from specops.drafter.train import Sample, collate, ttt_forward
     from specops.evaluate.loop import TargetRunner, speculative_generate, target_generate
     from specops.models import resolve_model_dir
     from specops.target.inprocess import compute_features, load_target, load_target_head

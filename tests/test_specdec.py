@@ -234,7 +234,8 @@ def test_overfit_drafter_reaches_high_tau(tiny):
     """Train a real Eagle3Drafter (train.ttt_forward) on the target's greedy continuations of the
     eval prompts: high tau at inference only if the loop feeds (aux_t, x_{t+1}) at position t and
     its own hidden afterwards exactly as training did."""
-    from specops.drafter.train import Sample, Teacher, collate, teacher_targets, ttt_forward
+    from specops.drafter.batch import Teacher, teacher_targets
+    from specops.drafter.train import Sample, collate, ttt_forward
     from specops.target.inprocess import load_target_head
     from specops.target.inprocess import compute_features
 

@@ -53,7 +53,7 @@ class KernelOptions:
 
     ttt_attention: "block" (step 0's keys once + a per-slot dot product for the diagonal blocks,
         `ttt_attention`) or "dense" ([T, (k+1)T] masks through SDPA: the reference form).
-    fused_loss: lm_head + soft CE as one autograd node per TTT step (`train.linear_soft_ce`);
+    fused_loss: lm_head + soft CE as one autograd node per TTT step (`losses.linear_soft_ce`);
         "auto" = on CUDA.
     compile_loss / compile_layer: torch.compile the soft CE kernels / the drafter layer's
         elementwise regions; "auto" = on CUDA. compile_layer defaults to off: its dynamic-shape

@@ -57,17 +57,10 @@ from .checkpoint import checkpoints_dir, latest_checkpoint, list_checkpoints, lo
 from .graphs import GraphedMicroStep
 from .optim import build_optimizer
 from ..target import default_aux_layer_ids
-from ..target.inprocess import TargetHead, load_target_head
-from .model import (
-    KERNELS,
-    CompiledOrEager,
-    DrafterConfig,
-    Eagle3Drafter,
-    count_parameters,
-    set_kernel_options,
-    switch_on,
-    ttt_block,
-)
+from ..target.inprocess import load_target_head
+from .batch import Batch, Targets, Teacher, shift_left, teacher_targets
+from .losses import fused_loss_on, linear_soft_ce, soft_cross_entropy
+from .model import KERNELS, DrafterConfig, Eagle3Drafter, count_parameters, set_kernel_options, ttt_block
 
 log = logging.getLogger("specops.train")
 
@@ -78,41 +71,7 @@ HEARTBEAT_S = 10.0  # the longest wall time between two training heartbeats (may
 FEW_STEPS = 2000
 
 
-def fused_loss_on(device: torch.device) -> bool:
-    """Whether the TTT loop computes lm_head + soft CE as one autograd node per step
-    (`linear_soft_ce`: one pass reads each logit and its teacher probability once and keeps the
-    logit gradient) on this device; train.fused_loss, "auto" = on CUDA. Off: lm_head through
-    autograd, then `soft_cross_entropy`."""
-    return switch_on(KERNELS.fused_loss, device)
-
-
 FeaturesFn = Callable[[list[torch.Tensor]], dict[str, Any]]
-
-
-# ---------------------------------------------------------------- teacher
-
-class Teacher:
-    """Target logits over the draft vocab from final hidden states: lm_head(norm(final)) rows d2t.
-
-    Only the draft-vocab rows of lm_head are kept ([Vd, H] instead of [V, H]): softmax over the
-    draft vocab needs nothing else, and it cuts the matmul by V/Vd.
-    """
-
-    def __init__(self, head: TargetHead, d2t: torch.Tensor, *, final_prenorm: bool, device: torch.device,
-                 dtype: torch.dtype):
-        ids = torch.arange(d2t.numel()) + d2t.cpu()
-        self.rows = head.lm_head[ids].to(device=device, dtype=dtype)  # [Vd, H]
-        self.norm_weight = head.norm_weight.to(device)
-        self.eps = head.rms_norm_eps
-        self.final_prenorm = final_prenorm
-
-    @torch.no_grad()
-    def logits(self, final: torch.Tensor) -> torch.Tensor:
-        """final [..., H] -> [..., Vd] float32."""
-        x = final.float()
-        if self.final_prenorm:  # as the target's RMSNorm: fp32 statistics, weight in fp32
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
-        return (x.to(self.rows.dtype) @ self.rows.T).float()
 
 
 # ---------------------------------------------------------------- data
@@ -312,24 +271,6 @@ def pack_batches(lengths: list[int], row_tokens: int, rows_per_batch: int, *, se
     return batches
 
 
-@dataclass
-class Batch:
-    """Rows of one or more documents, right-padded to T. Padding has doc = -1."""
-
-    input_ids: torch.Tensor  # int64 [B, T]
-    loss_mask: torch.Tensor  # bool [B, T]
-    doc: torch.Tensor  # int64 [B, T], document number within the row, -1 = padding
-    pos: torch.Tensor  # int64 [B, T], position within the document
-    doc_end: torch.Tensor  # int64 [B, T], slot index one past the document's last token
-    aux: torch.Tensor  # [B, T, 3, H_target]
-    final: torch.Tensor  # [B, T, H]
-    n_tokens: int
-
-    def to(self, device: torch.device) -> "Batch":
-        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return Batch(**{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in kw.items()})
-
-
 def collate(rows: list[list[Sample]], *, pin: bool = False, pad_to: int = 1) -> Batch:
     """rows[r] = the documents packed into row r (in order). Each sample must carry aux/final.
     pin: allocate the host tensors in page-locked memory, so that the copy to the GPU can run
@@ -400,173 +341,6 @@ def target_features_fn(model_dir: str | os.PathLike[str], device: torch.device,
 
     fn.aux_layer_ids = ids  # type: ignore[attr-defined]
     return fn
-
-
-# ---------------------------------------------------------------- training-time test
-
-def shift_left(x: torch.Tensor, n: int, fill: Any = 0) -> torch.Tensor:
-    """[B, T, ...] -> y[:, t] = x[:, t + n], `fill` past the end."""
-    if n == 0:
-        return x
-    pad = torch.full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
-    return torch.cat([x[:, n:], pad], dim=1)
-
-
-class Targets(NamedTuple):
-    p: torch.Tensor  # float32 [M, Vd] teacher probabilities over the draft vocab
-    argmax: torch.Tensor  # int64 [M]
-    row_of: torch.Tensor  # int64 [B, T]: slot j -> row of p (or -1), the distribution after x_j
-
-
-def teacher_targets(teacher: Teacher, batch: Batch) -> Targets:
-    """Teacher distributions for the slots some step needs: j with x_{j+1} in the same document
-    and trainable (slot t+1+k feeds step k at slot t)."""
-    B, T = batch.input_ids.shape
-    slot = torch.arange(T, device=batch.doc.device)
-    need = (batch.doc >= 0) & (slot + 1 < batch.doc_end) & shift_left(batch.loss_mask, 1, False)
-    idx = need.view(-1).nonzero().squeeze(1)  # the step's one host sync here (the row count)
-    row_of = torch.full((B * T,), -1, dtype=torch.long, device=need.device)
-    row_of[idx] = torch.arange(idx.numel(), device=need.device)
-    logits = teacher.logits(batch.final.reshape(B * T, -1).index_select(0, idx))  # [M, Vd]
-    return Targets(torch.softmax(logits, dim=-1), logits.argmax(-1), row_of.view(B, T))
-
-
-def _ce_forward(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    x = logits.float()
-    return -(p_all[rows] * torch.log_softmax(x, dim=-1)).sum(-1)
-
-
-def _ce_backward(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    return ((torch.softmax(logits.float(), dim=-1) - p_all[rows]) * grad[:, None]).to(logits.dtype)
-
-
-def _ce_fused(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, tgt: torch.Tensor):
-    """One pass over [n, Vd]: (soft CE per row, d ce_i / d logits_i per row, argmax hit per row).
-
-    ce_i = sum_v p_iv (lse_i - x_iv); d ce_i / d x_i = softmax(x_i) · sum_v p_iv - p_i, which is
-    softmax(x_i) - p_i as teacher rows are softmaxes (sum to 1). Math in fp32 (fp64 stays fp64).
-    Row reductions only: the sums over rows happen outside, eagerly. A full reduction to a scalar
-    inside a dynamic-shape graph can compile to a single-block kernel when the first call's size
-    hint was small."""
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    p = p_all[rows]
-    lse = torch.logsumexp(x, -1, keepdim=True)
-    ce = (p * (lse - x)).sum(-1)
-    grad = (torch.exp(x - lse) - p).to(logits.dtype)
-    return ce, grad, x.argmax(-1) == tgt
-
-
-class _LossKernels(CompiledOrEager):
-    """The soft cross-entropy's forward and backward, eager or fused by torch.compile.
-
-    Eagerly each is a chain of full passes over [n, Vd] in fp32 (cast, gather p_all[rows],
-    log_softmax or softmax, multiply, reduce): about 90 bytes moved per logit per TTT step, which on
-    the H200 made the loss, not the matmuls, the largest device time of a SmolLM2-sized step. Compiled
-    (two small graphs, dynamic shapes: one compile each per process, seconds), the gather becomes an
-    indirect load inside one fused reduction: ~8 bytes per logit. train.compile_loss: "auto"
-    (default: compile on CUDA), "on" (also on CPU), "off" (never). A compile or run that raises
-    turns it off for the process with a warning, and the eager pair computes the step.
-    """
-
-    def __init__(self) -> None:
-        super().__init__("compile_loss", "loss")
-
-    def forward(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self.run(_ce_forward, logits, p_all, rows)
-
-    def backward(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor
-                 ) -> torch.Tensor:
-        return self.run(_ce_backward, logits, p_all, rows, grad)
-
-    def fused(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, tgt: torch.Tensor):
-        return self.run(_ce_fused, logits, p_all, rows, tgt)
-
-
-LOSS_KERNELS = _LossKernels()
-
-
-class _SoftCrossEntropy(torch.autograd.Function):
-    """-sum_v p(v) log softmax(logits)(v) per row, p = p_all[rows].
-
-    Saves only the logits (bf16 under autocast) and the row indices into p_all, which all K steps
-    share; autograd's own graph would keep p[rows] and log_softmax in fp32 for every step (at 16K
-    tokens × 32K draft vocab that is 4 GiB per step). Gradient: (softmax(logits) - p) · g, as sum(p) = 1.
-    Both directions run through LOSS_KERNELS (fused by torch.compile on CUDA).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        ce = LOSS_KERNELS.forward(logits, p_all, rows)
-        ctx.save_for_backward(logits, p_all, rows)
-        return ce
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, p_all, rows = ctx.saved_tensors
-        return LOSS_KERNELS.backward(logits, p_all, rows, grad.contiguous()), None, None
-
-
-def soft_cross_entropy(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """logits [n, Vd]; p_all float32 [M, Vd] (rows sum to 1); rows int64 [n] -> ce float32 [n]."""
-    return _SoftCrossEntropy.apply(logits, p_all, rows)
-
-
-class _LinearSoftCE(torch.autograd.Function):
-    """scale · sum_i CE(p_all[rows_i], softmax(h_i · W^T)) as one node; also the CE sum and argmax hits.
-
-    The separate form (lm_head through autograd, then `_SoftCrossEntropy`) moves each [n, Vd] logit
-    four times after the matmul writes it: the CE forward reads it with p, the backward reads both
-    again and writes the gradient, the accuracy's argmax reads it once more. Here one fused pass
-    (`_ce_fused`, compiled like `LOSS_KERNELS`' others) reads logits and p once and writes the logit
-    gradient, which the forward keeps instead of the logits. The backward is then only the two
-    matmuls; the loss's scale and the incoming gradient multiply their small outputs ([n, H], [Vd, H]),
-    never the [n, Vd] gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor,
-                tgt: torch.Tensor, scale: float | torch.Tensor, valid: torch.Tensor | None):
-        dev = h.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-        hc, wc = h.to(dt), weight.to(dt)
-        with torch.autocast(dev, enabled=False):
-            logits = hc @ wc.T  # [n, Vd]
-            ce, grad, hit = LOSS_KERNELS.fused(logits, p_all, rows, tgt)
-            if valid is None:
-                ce_sum, correct = ce.sum(), hit.sum()
-            else:  # rows that do not count: out of the sums, and their gradient rows are zeroed below
-                ce_sum, correct = torch.where(valid, ce, 0.0).sum(), (hit & valid).sum()
-                hc = hc * valid[:, None].to(dt)  # exact (x 0 or 1): keeps them out of lm_head's gradient
-        del logits, ce, hit
-        ctx.save_for_backward(grad, hc, wc, valid)
-        ctx.scale = scale
-        ctx.dtypes = (h.dtype, weight.dtype)
-        ctx.mark_non_differentiable(ce_sum, correct)
-        return ce_sum * scale, ce_sum, correct
-
-    @staticmethod
-    def backward(ctx, g_loss: torch.Tensor, _g_ce: Any, _g_correct: Any):
-        grad, hc, wc, valid = ctx.saved_tensors
-        s = (g_loss.to(torch.promote_types(g_loss.dtype, torch.float32)) * ctx.scale).to(grad.dtype)
-        gh = gw = None
-        if ctx.needs_input_grad[0]:
-            gh = (grad @ wc).mul_(s)
-            if valid is not None:
-                gh = torch.where(valid[:, None], gh, 0.0)
-            gh = gh.to(ctx.dtypes[0])
-        if ctx.needs_input_grad[1]:
-            gw = (grad.T @ hc).mul_(s).to(ctx.dtypes[1])
-        return gh, gw, None, None, None, None, None
-
-
-def linear_soft_ce(h: torch.Tensor, weight: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor,
-                   tgt: torch.Tensor, scale: float | torch.Tensor, valid: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [n, H] (normed drafter states), weight [Vd, H] (lm_head), p_all float32 [M, Vd], rows int64 [n],
-    tgt int64 [n] (teacher argmax per row), scale a float or a 0-d tensor -> (scale · ce sum:
-    differentiable, ce sum, argmax hits). valid bool [n] (optional): only those rows count, in the sums
-    and in the gradients (the static unroll's masked slots)."""
-    return _LinearSoftCE.apply(h, weight, p_all, rows, tgt, scale, valid)
 
 
 class TTTOut(NamedTuple):
