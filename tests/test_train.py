@@ -27,7 +27,8 @@ from specops.target import default_aux_layer_ids
 from specops.drafter.batch import Teacher, teacher_targets
 from specops.drafter.losses import linear_soft_ce, soft_cross_entropy
 from specops.drafter.model import KERNELS, DrafterConfig, Eagle3Drafter
-from specops.drafter.train import FeatureSplit, make_batches, run_train, ttt_forward, ttt_masks
+from specops.drafter.families.eagle3.objective import ttt_forward, ttt_masks
+from specops.drafter.train import FeatureSplit, make_batches, run_train
 from specops.target.inprocess import TargetHead, load_target_head
 from specops.drafter.checkpoint import load_drafter
 from specops.measures import simulated_tau

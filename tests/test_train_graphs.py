@@ -17,7 +17,8 @@ from specops.drafter.graphs import GraphedMicroStep
 from specops.drafter.model import DrafterConfig, Eagle3Drafter
 from specops.drafter.batch import Teacher, teacher_targets
 from specops.drafter.losses import linear_soft_ce
-from specops.drafter.train import Sample, bucketed, collate, make_batches, run_train, ttt_forward, ttt_forward_static
+from specops.drafter.families.eagle3.objective import ttt_forward, ttt_forward_static
+from specops.drafter.train import Sample, bucketed, collate, make_batches, run_train
 from specops.target.inprocess import TargetHead
 
 from train_builders import BASE, _packed_batch, metrics, seed_campaign

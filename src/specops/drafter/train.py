@@ -1,32 +1,13 @@
-"""Train the EAGLE-3 drafter with training-time test (TTT): features/ (or an in-process target) ->
-drafter/checkpoints/step-<n>/, drafter/metrics.jsonl, drafter/manifest.json.
+"""Train a drafter: features/ (or an in-process target) -> drafter/checkpoints/step-<n>/,
+drafter/metrics.jsonl, drafter/manifest.json.
 
-Alignment (one document x_0..x_{n-1}; aux_t [3, H] and final_t [H] are the target's states at
-token t, final pre-norm). TTT unrolls K steps; at step k, slot t:
-
-    input token   x_{t+1+k}                       (step 0: input_ids shifted left by one)
-    hidden in     k = 0: fc(aux_t);  k > 0: the drafter's own step k-1 output at slot t
-    position      t + k                           (vLLM: the hidden's position, +1 per draft step)
-    predicts      x_{t+2+k}
-    teacher       softmax(lm_head(norm(final_{t+1+k}))[draft ids])   (the target's next-token
-                  distribution after x_{t+1+k}, restricted to the draft vocab)
-    counted iff   t+2+k <= n-1 and loss_mask[t+2+k] == 1
-
-That is inference in vLLM: the target ran x_0..x_t and sampled x_{t+1}; the drafter gets
-(hidden_t, x_{t+1}) at position t and proposes x_{t+2}; then (its own hidden, x_{t+2}) at t+1 ...
-
-Attention at step k (keys laid out [K_0 | K_1 | ... | K_k], each [B, nkv, T, d]; bool mask
-[B, 1, T, (k+1)·T]): the query of slot t sees the step-0 keys of slots s <= t of its own document
-(block 0: causal & same document) and, for j = 1..k, the step-j key of slot t itself (blocks
-1..k: the diagonal). Those are exactly the keys a chain started at t has in vLLM's KV cache at its
-k-th draft: the prefix computed from target states, then its own previous drafts. The diagonal
-blocks hold one key per row, so the drafter computes them as per-slot dot products and runs SDPA
-over block 0 only (model.ttt_attention: about (k+1)x less score work at step k, one [T, T] mask
-for all steps). train.ttt_attention = "dense" runs the dense form above instead (the reference).
-
-Loss: sum_k loss_decay^k · mean over counted slots of the soft cross-entropy
--sum_v p_teacher(v) log p_drafter(v). Per-step accuracy: argmax drafter == argmax teacher (draft
-vocab). Simulated tau (chain of K drafts, temperature 0): 1 + sum_k prod_{i<=k} acc_i.
+What every drafter family shares is here: the data pipeline (feature or token splits, loss masks,
+length-bucketed or packed batches, collation into `batch.Batch`, online features), the trainer loop
+(gradient accumulation, DDP, CUDA-graph micro-steps, the validation pass, heartbeats, metrics, the
+manifest) and its checkpoints. The family (`drafter/families/`; `families.TRAINED`) gives the
+drafter, its objective over a batch and the teacher's targets (loss and per-position accuracy),
+the simulated tau of that accuracy and the conventions the manifest records; EAGLE-3's training-time
+test is `families/eagle3/objective.py`.
 """
 
 from __future__ import annotations
@@ -43,24 +24,22 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from ..campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json
 from ..errors import ConfigError, InputError, Interrupted
 from ..features import FeatureReader
-from ..measures import simulated_tau
 from ..progress import ROUTINE, phase_progress
 from .checkpoint import checkpoints_dir, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from .graphs import GraphedMicroStep
 from .optim import build_optimizer
 from ..target import default_aux_layer_ids
 from ..target.inprocess import load_target_head
-from .batch import Batch, Targets, Teacher, shift_left, teacher_targets
-from .losses import fused_loss_on, linear_soft_ce, soft_cross_entropy
-from .model import KERNELS, DrafterConfig, Eagle3Drafter, count_parameters, set_kernel_options, ttt_block
+from .batch import Batch, Teacher, teacher_targets
+from .families import TRAINED
+from .model import count_parameters, set_kernel_options
 
 log = logging.getLogger("specops.train")
 
@@ -343,151 +322,6 @@ def target_features_fn(model_dir: str | os.PathLike[str], device: torch.device,
     return fn
 
 
-class TTTOut(NamedTuple):
-    loss: torch.Tensor  # scalar, sum_k decay^k · ce_sum[k] / count[k]
-    ce_sum: torch.Tensor  # float32 [K], detached
-    correct: torch.Tensor  # int64 [K]
-    count: torch.Tensor  # int64 [K]
-    logits: list[torch.Tensor] | None  # per step [B, T, Vd] (return_logits=True; tests)
-
-
-def ttt_masks(doc: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Bool attention masks [B, 1, T, (k+1)·T] for k = 0..steps-1 (see the module docstring)."""
-    B, T = doc.shape
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
-    # Padding (doc = -1) attends to earlier padding only: never an empty row (NaN), never seen by real slots.
-    block0 = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # [B, 1, T, T]
-    diag = torch.eye(T, dtype=torch.bool, device=doc.device).expand(B, 1, T, T)
-    return [torch.cat([block0] + [diag] * k, dim=-1) for k in range(steps)]
-
-
-def ttt_unroll(drafter: Eagle3Drafter, batch: Batch, steps: int):
-    """The unroll's drafter steps: yields step k's output hidden [B, T, H] (pre-norm), k = 0..steps-1.
-    The loss on each step is the caller's (`ttt_forward`, `ttt_forward_static`)."""
-    hidden = drafter.fuse(batch.aux)  # [B, T, H]
-    dense = KERNELS.ttt_attention == "dense"
-    masks = ttt_masks(batch.doc, steps) if dense else [ttt_masks(batch.doc, 1)[0]] * steps
-    past: list[tuple[torch.Tensor, torch.Tensor]] = []
-    # Every step's RoPE (positions pos + k) in one pass, in the dtype q and k will have (the autocast
-    # dtype, else the weights'), so no step recomputes or casts it.
-    dev = hidden.device
-    rdt = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else drafter.fc.weight.dtype
-    offs = torch.arange(steps, device=batch.pos.device).view(steps, 1, 1)
-    cos_all, sin_all = (r.to(rdt) for r in drafter.rope(batch.pos[None] + offs))  # [K, B, T, d]
-    for k in range(steps):
-        tokens = shift_left(batch.input_ids, 1 + k)  # [B, T]: x_{t+1+k}
-        out = drafter(tokens, hidden, None, attn_mask=masks[k], past_kv=past, return_logits=False,
-                      ttt=not dense, rope=(cos_all[k], sin_all[k]))  # positions pos + k: in cos_all[k]
-        # Steps >= 1 read step 0's keys in one prepared form (ttt_block): built once per unroll.
-        past.append(ttt_block(out.kv, masks[0], drafter.config.num_attention_heads)
-                    if k == 0 and not dense and steps > 1 else out.kv)
-        hidden = out.hidden  # [B, T, H], the next step's hidden input (gradient flows through)
-        yield hidden
-
-
-def counted_slots(batch: Batch, steps: int) -> torch.Tensor:
-    """bool [K, B*T]: slot t counts at step k iff x_{t+2+k} is in its document and trainable."""
-    B, T = batch.input_ids.shape
-    slot = torch.arange(T, device=batch.doc.device)
-    return torch.stack([(batch.doc >= 0) & (slot + 2 + k < batch.doc_end)
-                        & shift_left(batch.loss_mask, 2 + k, False) for k in range(steps)]).view(steps, B * T)
-
-
-def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps: int, decay: float,
-                return_logits: bool = False) -> TTTOut:
-    B, T = batch.input_ids.shape
-    # Every step's counted slots depend on the batch alone: found up front with one nonzero over
-    # [K, B*T] (row-major, so each step's slots keep the order of a boolean index), instead of two
-    # host syncs per step. valid_k: x_{t+2+k} is in the document and trainable.
-    valid = counted_slots(batch, steps)
-    row_src = torch.stack([shift_left(targets.row_of, 1 + k, -1) for k in range(steps)]).view(steps, B * T)
-    nz = valid.nonzero()  # [N, 2]: (step, slot)
-    n_per = valid.sum(1)  # [K] on the device (the counts below)
-    sizes = n_per.tolist()  # the queue is drained already: no second wait
-    slots_k = nz[:, 1].split(sizes)
-    rows_k = row_src[nz[:, 0], nz[:, 1]].split(sizes)  # teacher after x_{t+1+k}
-    fused = fused_loss_on(batch.doc.device) and drafter.lm_head.bias is None
-    loss = batch.aux.new_zeros((), dtype=torch.float32)
-    ce_sums, corrects, all_logits = [], [], []
-    for k, hidden in enumerate(ttt_unroll(drafter, batch, steps)):
-        rows = rows_k[k]
-        sel = hidden.reshape(B * T, -1).index_select(0, slots_k[k])  # [n_k, H]
-        if fused:
-            part, ce_sum, correct = linear_soft_ce(drafter.norm(sel), drafter.lm_head.weight, targets.p, rows,
-                                                   targets.argmax[rows], (decay ** k) / max(sizes[k], 1))
-            loss = loss + part
-            ce_sums.append(ce_sum)
-            corrects.append(correct)
-        else:
-            logits = drafter.compute_logits(sel)  # [n_k, Vd]
-            ce = soft_cross_entropy(logits, targets.p, rows)  # [n_k] float32
-            loss = loss + (decay ** k) * ce.sum() / max(sizes[k], 1)
-            ce_sums.append(ce.detach().sum())
-            corrects.append((logits.detach().argmax(-1) == targets.argmax[rows]).sum())
-        if return_logits:
-            all_logits.append(drafter.compute_logits(hidden).float())
-    return TTTOut(loss, torch.stack(ce_sums), torch.stack(corrects), n_per, all_logits if return_logits else None)
-
-
-def ttt_forward_static(drafter: Eagle3Drafter, teacher: Teacher, batch: Batch, *, steps: int,
-                       decay: float) -> TTTOut:
-    """The teacher and the unroll's loss with no host sync and no shape that depends on the data, so
-    that the forward and backward of a micro-batch can be captured as one CUDA graph (`graphs.py`).
-
-    The same loss as `teacher_targets` + `ttt_forward`: those select the counted slots (a nonzero, a
-    host sync, and [n_k, ...] shapes that change with every batch); here the teacher runs on every
-    slot of the batch and every step's lm_head + soft CE on every slot, the slots that do not count
-    masked out of the sums (weight 0), and the per-step means divide by counts that stay on the
-    device. The extra work is the padding and the slots no step counts (prompts, document tails)."""
-    B, T = batch.input_ids.shape
-    N = B * T
-    dev = batch.doc.device
-    t_logits = teacher.logits(batch.final.reshape(N, -1))  # [N, Vd] float32, no grad
-    p_all = torch.softmax(t_logits, dim=-1)
-    t_arg = t_logits.argmax(-1)
-    del t_logits
-    valid = counted_slots(batch, steps)  # [K, N]
-    n_per = valid.sum(1)  # [K]
-    inv = 1.0 / n_per.clamp(min=1).to(torch.promote_types(batch.aux.dtype, torch.float32))
-    # step k at slot t reads the teacher after x_{t+1+k}: slot t+1+k of the same row (clamped at the
-    # row's end, where no slot counts)
-    base = (torch.arange(B, device=dev) * T)[:, None]
-    slot = torch.arange(T, device=dev)
-    fused = fused_loss_on(dev) and drafter.lm_head.bias is None
-    loss = batch.aux.new_zeros((), dtype=torch.float32)
-    ce_sums, corrects = [], []
-    for k, hidden in enumerate(ttt_unroll(drafter, batch, steps)):
-        rows = (base + (slot + 1 + k).clamp(max=T - 1)).view(N)
-        h = hidden.reshape(N, -1)
-        tgt = t_arg[rows]
-        scale = inv[k] * (decay ** k)
-        if fused:
-            part, ce_sum, correct = linear_soft_ce(drafter.norm(h), drafter.lm_head.weight, p_all, rows, tgt,
-                                                   scale, valid[k])
-        else:
-            logits = drafter.compute_logits(h)  # [N, Vd]
-            ce = torch.where(valid[k], soft_cross_entropy(logits, p_all, rows), 0.0)  # [N] float32
-            part = ce.sum() * scale.to(ce.dtype)  # as the selecting form: the CE and its sums in fp32
-            ce_sum = ce.detach().sum()
-            correct = ((logits.detach().argmax(-1) == tgt) & valid[k]).sum()
-        loss = loss + part
-        ce_sums.append(ce_sum)
-        corrects.append(correct)
-    return TTTOut(loss, torch.stack(ce_sums), torch.stack(corrects), n_per, None)
-
-
-class TTTModule(nn.Module):
-    """The whole unroll as one forward, so DDP sees one forward per backward."""
-
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
-        super().__init__()
-        self.drafter = drafter
-        self.steps, self.decay = steps, decay
-
-    def forward(self, batch: Batch, targets: Targets) -> TTTOut:
-        return ttt_forward(self.drafter, batch, targets, steps=self.steps, decay=self.decay)
-
-
 # ---------------------------------------------------------------- distributed
 
 @dataclass
@@ -684,11 +518,11 @@ class _Trainer:
             raise InputError("the train split has no usable sample (each needs >= 3 tokens and a trainable token)")
 
         # target head -> drafter + teacher
+        self.family = family = TRAINED
         head = load_target_head(self.model_dir)
         if aux_ids is None:
-            aux_ids = default_aux_layer_ids(int(head.config["num_hidden_layers"]))
-        self.dcfg = DrafterConfig.from_target(head.config, d2t.numel(), aux_ids,
-                                              norm_before_residual=tc.norm_before_residual)
+            aux_ids = family.feature_layer_ids(int(head.config["num_hidden_layers"]))
+        self.dcfg = family.new_config(head.config, d2t.numel(), aux_ids, tc)
         if tc.mode == "offline" and self.train_split.hidden_size != self.dcfg.target_hidden_size:
             raise InputError(f"features hidden_size {self.train_split.hidden_size} != target hidden_size "
                              f"{self.dcfg.target_hidden_size}: features from another model?")
@@ -697,21 +531,13 @@ class _Trainer:
                              f"{self.dcfg.target_vocab_size}")
         torch.manual_seed(self.seed)
         random.seed(self.seed)
-        self.drafter = Eagle3Drafter(self.dcfg)
-        self.drafter.init_from_target(head.embed, head.lm_head, d2t, freeze_embeddings=tc.freeze_embeddings)
-        if tc.freeze_lm_head:  # keep the target's own readout of the draft vocab (speculators does)
-            self.drafter.lm_head.weight.requires_grad_(False)
-        if tc.init_norm_from_target:  # the drafter's readout starts as the target's: norm, then lm_head
-            with torch.no_grad():
-                self.drafter.norm.weight.copy_(head.norm_weight.to(self.drafter.norm.weight))
-        if not torch.equal(self.drafter.t2d, vocab["t2d"].bool()):
-            raise InputError("build/vocab.safetensors: t2d does not match d2t")
+        self.drafter = family.new_drafter(self.dcfg, head, d2t, vocab["t2d"].bool(), tc)
         self.drafter.to(self.device)
         self.teacher = Teacher(head, d2t, final_prenorm=final_prenorm, device=self.device,
                                dtype=torch.bfloat16 if self.cuda else torch.float32)
         del head
 
-        self.module = TTTModule(self.drafter, tc.ttt_steps, tc.loss_decay)
+        self.module = family.objective(self.drafter, tc)
         if dist.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -721,7 +547,7 @@ class _Trainer:
             self.model = self.module
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.per_step = dist.world * tc.grad_accum  # micro-batches per optimizer step, all ranks
-        # CUDA graphs: the static unroll (no host sync), rows padded to graph_bucket, batches planned
+        # CUDA graphs: the static objective (no host sync), rows padded to graph_bucket, batches planned
         # with the padded lengths; one process only (DDP's hooks cannot be captured here).
         self.micro: GraphedMicroStep | None = None
         self.pad_to = 1
@@ -732,8 +558,8 @@ class _Trainer:
             else:
                 self.pad_to = tc.graph_bucket
                 self.micro = GraphedMicroStep(
-                    lambda b: ttt_forward_static(self.drafter, self.teacher, b, steps=tc.ttt_steps, decay=tc.loss_decay),
-                    self.params, self.device, loss_scale=1.0 / tc.grad_accum, use_graphs=self.cuda,
+                    family.static_objective(self.drafter, self.teacher, tc), self.params, self.device,
+                    loss_scale=1.0 / tc.grad_accum, use_graphs=self.cuda,
                     autocast=lambda: self.autocast(cache=False))  # no cast cache while a graph is captured
         # train.pack_rows: rows of several documents, one shape [batch_tokens / pack_rows, pack_rows]
         if tc.pack_rows is not None:
@@ -868,7 +694,7 @@ class _Trainer:
             "loss": sum(self.tc.loss_decay ** k * (ce[k] / count[k] if count[k] else 0.0) for k in range(K)),
             "step_loss": [c / n if n else None for c, n in zip(ce, count)],
             "acc": per_acc,
-            "tau": simulated_tau(per_acc),
+            "tau": self.family.simulated_tau(per_acc),
             "positions": [int(n) for n in count],
         }
 
@@ -1081,16 +907,7 @@ class _Trainer:
                        "train_tokens": sum(self.train_split.lengths), "steps_per_epoch": self.steps_per_epoch,
                        "total_steps": self.total_steps, "world_size": self.dist.world},
             "warnings": self.warnings,
-            "conventions": {
-                "aux_layer_ids": self.dcfg.aux_layer_ids,
-                "aux_layer_convention": "input-to-layer (= HF hidden_states index)",
-                "final": "pre-norm; teacher = target lm_head(target norm(final)) restricted to the draft vocab",
-                "alignment": "step k, slot t: token x[t+1+k], position t+k, hidden fc(aux[t]) (k=0) or the "
-                             "drafter's step k-1 output; predicts x[t+2+k] (teacher from final[t+1+k])",
-                "ttt_attention": "step-0 keys causal within the document + the diagonal of steps 1..k",
-                "d2t": "target_id = i + d2t[i]",
-                "ttt_steps": self.tc.ttt_steps, "loss_decay": self.tc.loss_decay,
-            },
+            "conventions": self.family.conventions(self.dcfg, self.tc),
             "resumed_from": resumed_from,
             "checkpoints": [str(p) for _, p in list_checkpoints(self.dir)],
             "metrics": str(self.metrics_path),
