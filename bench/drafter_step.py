@@ -26,8 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from specops.drafter.model import DrafterConfig, Eagle3Drafter  # noqa: E402
-from specops.evaluate.fast_drafter import StaticDrafterRunner
-from specops.evaluate.loop import EagerDrafterRunner
+from specops.drafter.families.eagle3.drafting import EagerDrafterRunner, StaticDrafterRunner  # noqa: E402
 
 
 def load(path: Path | None) -> Eagle3Drafter:
@@ -60,9 +59,9 @@ def run(runner, d: Eagle3Drafter, *, k: int, rounds: int, prompt: int, seed: int
     g = torch.Generator().manual_seed(seed)
     V, Ht = d.config.target_vocab_size, d.config.target_hidden_size
     dt = next(d.parameters()).dtype
-    ids = torch.randint(0, V, (1, prompt), generator=g)
+    ids = torch.randint(0, V, (1, prompt + 1), generator=g)  # prefill: drafter slots 0..prompt-1
     runner.reset(prompt + rounds * (k + 1) + k + 1)
-    runner.prefill(ids, d.fuse(torch.randn(1, prompt, 3, Ht, generator=g).to(dev, dt)))
+    runner.prefill(ids, torch.randn(1, prompt + 1, 3, Ht, generator=g).to(dev, dt))
     start, out, spent = prompt, [], 0.0
     for r in range(rounds):
         m = 1 + r % (k + 1)

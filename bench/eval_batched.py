@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from specops.evaluate.batched import BatchedLoop, run_batched  # noqa: E402
-from specops.evaluate.fast_drafter import StaticDrafterRunner  # noqa: E402
+from specops.drafter.families.eagle3.drafting import StaticDrafterRunner  # noqa: E402
 from specops.evaluate.fast_target import StaticTargetRunner  # noqa: E402
 from specops.evaluate.specdec import _eos_ids, load_eval_drafter
 from specops.evaluate.loop import finish_tokens as _finish, speculative_generate

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "src"), str(REPO / "tests")]
 
-from specops.drafter.train import ttt_forward  # noqa: E402
+from specops.drafter.families.eagle3.objective import ttt_forward  # noqa: E402
 from test_train import debug_unroll  # noqa: E402  (the suite's debug drafter and packed batch)
 
 

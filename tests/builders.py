@@ -217,7 +217,7 @@ def chat_target_and_drafter(tmp_path: Path) -> tuple[Path, Path]:
     """A tiny target with SmolLM2's vocab and chat template, and a random drafter export for it."""
     from transformers import AutoTokenizer
 
-    from specops.drafter.export import export_vllm
+    from specops.drafter.families.eagle3.export import export_vllm
     from specops.models import resolve_model_dir
 
     model = make_target(tmp_path / "chat", vocab=49152, seed=4)

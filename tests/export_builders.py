@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from specops.drafter.export import CheckReport, export_speculators, export_vllm
+from specops.drafter.families.base import CheckReport
+from specops.drafter.families.eagle3.export import export_speculators, export_vllm
 
 # Debug size: H=64, 4 heads of 16, 2 kv heads, intermediate 128, target vocab 512, draft 128.
 H, NH, NKV, HD, I = 64, 4, 2, 16, 128

@@ -47,7 +47,9 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     from transformers import AutoTokenizer
 
     from specops.drafter.model import DrafterConfig, Eagle3Drafter
-    from specops.drafter.train import Sample, Teacher, collate, teacher_targets, ttt_forward
+    from specops.drafter.batch import Teacher, teacher_targets
+    from specops.drafter.families.eagle3.objective import ttt_forward
+    from specops.drafter.train import Sample, collate
     from specops.evaluate.loop import TargetRunner, speculative_generate, target_generate
     from specops.models import resolve_model_dir
     from specops.target.inprocess import compute_features, load_target, load_target_head
@@ -107,7 +109,7 @@ def write_checkpoint(drafter, out: Path) -> Path:
 def export(fitted: FittedDrafter, out: Path, *, fmt: str = "vllm", drafter=None, aux_layer_ids=None) -> Path:
     """`fitted` (or `drafter`) exported in `fmt` ("vllm" or "speculators"); `aux_layer_ids` overrides
     the ids the export names (a negative control: the drafter was trained on its config's ids)."""
-    from specops.drafter.export import export_speculators, export_vllm
+    from specops.drafter.families.eagle3.export import export_speculators, export_vllm
 
     d = drafter or fitted.drafter
     config = d.config.to_dict()

@@ -17,7 +17,7 @@ import torch
 from specops.config import config_from_dict
 from specops.errors import ConfigError
 from specops.evaluate.batched import BatchedLoop, accept_rows, run_batched
-from specops.evaluate.fast_drafter import StaticDrafterRunner
+from specops.drafter.families.eagle3.drafting import StaticDrafterRunner
 from specops.evaluate.fast_target import StaticTargetRunner
 from specops.evaluate.loop import accept, speculative_generate
 

@@ -20,12 +20,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specops.drafter.export import (
-    ExportError,
-    check_export,
-    export_vllm,
-    load_exported,
-)
+from specops.drafter.export import check_export
+from specops.drafter.families.eagle3.export import export_vllm
+from specops.drafter.formats import ExportError, load_exported
 from specops.errors import SpecopsError
 
 from export_builders import AUX, DV, HD, NH, NKV, TARGET, TV, H, I, L, drafter_config, export, names, state_dict, target_dir

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from specops.drafter.export import ExportError, SglangRule, check_export, sglang_layer_ids, sglang_rule
+from specops.drafter.export import check_export
+from specops.drafter.families.eagle3.export import SglangRule, sglang_layer_ids, sglang_rule
+from specops.drafter.formats import ExportError
 from export_builders import AUX, TARGET, L, export, names
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The static-cache drafter runner (evaluate/fast_drafter.py) against the eager one (specdec.draft).
+"""The EAGLE-3 static-cache drafter runner (drafter/families/eagle3/drafting.py) against the eager one.
 
 On CPU in fp32: the same drafts (and at T > 0 the same samples and distributions) over a sequence
 of rounds with every pending length 1..k+1, after the cache grows, through the speculative loop
@@ -13,8 +13,8 @@ import torch
 
 from specops.config import EvalSection
 from specops.errors import ConfigError, SpecopsError
-from specops.evaluate.fast_drafter import StaticDrafterRunner, make_drafter_runner
-from specops.evaluate.loop import EagerDrafterRunner
+from specops.drafter.families.eagle3.drafting import EagerDrafterRunner, StaticDrafterRunner, make_drafter_runner
+from specops.drafter.families import EAGLE3, family_of
 from specops.evaluate.fast_target import StaticTargetRunner
 from specops.evaluate.loop import speculative_generate
 
@@ -28,12 +28,12 @@ def _rounds(drafter, runners, *, k: int, temperature: float, n_prompt: int = 9, 
     in 1..k+1 (as acceptance would give) with fresh random aux. Returns the drafts (and q) per runner."""
     g = torch.Generator().manual_seed(seed)
     V, Ht = drafter.config.target_vocab_size, drafter.config.target_hidden_size
-    ids = torch.randint(0, V, (1, n_prompt), generator=g)
-    fused = drafter.fuse(torch.randn(1, n_prompt, 3, Ht, generator=g).to(drafter.d2t.device))
+    ids = torch.randint(0, V, (1, n_prompt + 1), generator=g)  # prefill: slots 0..n_prompt-1
+    prompt_aux = torch.randn(1, n_prompt + 1, 3, Ht, generator=g)
     out = {id(r): [] for r in runners}
     for r in runners:
         r.reset(n_prompt + 4 * (k + 1) + k + 1)
-        r.prefill(ids, fused)
+        r.prefill(ids, prompt_aux)
     start = n_prompt
     for rnd, m in enumerate([1, k + 1, 2, 1, k, 3][: 6]):
         m = min(m, k + 1)
@@ -84,7 +84,7 @@ def test_static_runner_refuses_a_wrong_start():
     d = debug_drafter(96)
     r = StaticDrafterRunner(d)
     r.reset(64)
-    r.prefill(torch.tensor([[1, 2, 3]]), d.fuse(torch.randn(1, 3, 3, HIDDEN)))
+    r.prefill(torch.tensor([[0, 1, 2, 3]]), torch.randn(1, 4, 3, HIDDEN))  # slots 0..2
     with pytest.raises(SpecopsError, match="start 5 != the cache's length 3"):
         r.draft(torch.tensor([[4]]), torch.randn(1, 1, 3, HIDDEN), 5, 2, temperature=0.0, gen=None)
 
@@ -141,6 +141,10 @@ def test_selection_and_config():
     with pytest.raises(ConfigError, match="eval.drafter_runner"):
         make_drafter_runner(d, "graph")
     assert EvalSection().drafter_runner == "auto"
+    assert family_of(d) is EAGLE3  # what the evaluator asks for a runner
+    assert isinstance(EAGLE3.drafter_runner(d, "auto"), EagerDrafterRunner)
+    rows = EAGLE3.drafter_runner(d, "static", cuda_graphs=False, rows=3, min_capacity=8)
+    assert isinstance(rows, StaticDrafterRunner) and rows.rows == 3
 
 
 @pytest.mark.gpu
@@ -204,7 +208,7 @@ def test_greedy_chain_makes_no_host_sync():
     d = debug_drafter(96)
     r = StaticDrafterRunner(d)
     r.reset(64)
-    r.prefill(torch.randint(0, 96, (1, 9)), d.fuse(torch.randn(1, 9, 3, d.config.target_hidden_size)))
+    r.prefill(torch.randint(0, 96, (1, 10)), torch.randn(1, 10, 3, d.config.target_hidden_size))  # slots 0..8
     tok, aux, pos0 = r._in_buffers(3)
     tok.copy_(torch.randint(0, 96, (1, 3)))
     aux.copy_(torch.randn_like(aux))

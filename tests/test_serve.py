@@ -66,7 +66,7 @@ def tiny_exports(tmp_path_factory):
 
     from builders import AUX, debug_drafter, make_target
 
-    from specops.drafter.export import export_speculators, export_vllm
+    from specops.drafter.families.eagle3.export import export_speculators, export_vllm
 
     root = tmp_path_factory.mktemp("drafter")
     target = make_target(root / "target")

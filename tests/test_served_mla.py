@@ -138,7 +138,7 @@ def test_vllm_cpu_cannot_serve_an_mla_target_with_an_eagle3_drafter(target, tmp_
     start. specops' message carries the cause. (GPU MLA and attention backends share block sizes.)"""
     import torch
 
-    from specops.drafter.export import export_vllm
+    from specops.drafter.families.eagle3.export import export_vllm
     from specops.drafter.model import DrafterConfig, Eagle3Drafter
 
     hf = json.loads((target / "config.json").read_text())

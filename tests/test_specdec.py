@@ -231,10 +231,12 @@ def test_untrained_drafter_tau_near_one(tiny):
 
 
 def test_overfit_drafter_reaches_high_tau(tiny):
-    """Train a real Eagle3Drafter (train.ttt_forward) on the target's greedy continuations of the
+    """Train a real Eagle3Drafter (the EAGLE-3 objective's ttt_forward) on the target's greedy continuations of the
     eval prompts: high tau at inference only if the loop feeds (aux_t, x_{t+1}) at position t and
     its own hidden afterwards exactly as training did."""
-    from specops.drafter.train import Sample, Teacher, collate, teacher_targets, ttt_forward
+    from specops.drafter.batch import Teacher, teacher_targets
+    from specops.drafter.families.eagle3.objective import ttt_forward
+    from specops.drafter.train import Sample, collate
     from specops.target.inprocess import load_target_head
     from specops.target.inprocess import compute_features
 
@@ -467,7 +469,7 @@ def test_run_eval_all_prompts_in_training_says_so(tmp_path):
 
 
 def test_run_eval_mtbench_both_turns_files_and_phase(tmp_path, chat_target):
-    from specops.drafter.export import export_vllm
+    from specops.drafter.families.eagle3.export import export_vllm
     from specops.evaluate.report import write_report
     from specops.evaluate.specdec import run_eval
 
@@ -549,7 +551,7 @@ def untimed(row: dict) -> dict:
 @pytest.fixture(scope="module")
 def eval_drafter(tmp_path_factory, chat_target):
     """A random drafter exported in vLLM format for the chat target (eval reads it from disk)."""
-    from specops.drafter.export import export_vllm
+    from specops.drafter.families.eagle3.export import export_vllm
 
     torch.manual_seed(0)
     hf = json.loads((chat_target / "config.json").read_text())

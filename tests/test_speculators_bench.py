@@ -26,7 +26,8 @@ sys.path.insert(0, str(REPO / "bench" / "quality"))
 import speculators_convert as conv  # noqa: E402
 import speculators_to_eval as to_eval  # noqa: E402
 
-from specops.drafter.export import check_export, load_exported  # noqa: E402
+from specops.drafter.export import check_export  # noqa: E402
+from specops.drafter.formats import load_exported  # noqa: E402
 from specops.drafter.model import DrafterConfig, Eagle3Drafter  # noqa: E402
 from specops.drafter.train import FeatureSplit  # noqa: E402
 

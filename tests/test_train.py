@@ -24,8 +24,11 @@ from safetensors.torch import load_file
 from specops.campaign import Campaign
 from specops.config import load_config
 from specops.target import default_aux_layer_ids
-from specops.drafter.model import DrafterConfig, Eagle3Drafter
-from specops.drafter.train import FeatureSplit, Teacher, make_batches, run_train, linear_soft_ce, teacher_targets, soft_cross_entropy, ttt_forward, ttt_masks
+from specops.drafter.batch import Teacher, teacher_targets
+from specops.drafter.losses import linear_soft_ce, soft_cross_entropy
+from specops.drafter.model import KERNELS, DrafterConfig, Eagle3Drafter
+from specops.drafter.families.eagle3.objective import ttt_forward, ttt_masks
+from specops.drafter.train import FeatureSplit, make_batches, run_train
 from specops.target.inprocess import TargetHead, load_target_head
 from specops.drafter.checkpoint import load_drafter
 from specops.measures import simulated_tau
@@ -227,11 +230,10 @@ def test_ttt_attention_under_cpu_autocast_keeps_fp32_scores():
 
 def test_ttt_dense_fallback_matches_reference(monkeypatch):
     """train.ttt_attention = "dense" (the reference form) computes the same unroll."""
-    import specops.drafter.train as train_mod
 
     drafter, batch, targets = debug_unroll(1, 3)
     fast = ttt_forward(drafter, batch, targets, steps=5, decay=0.8)
-    monkeypatch.setattr(train_mod.KERNELS, "ttt_attention", "dense")
+    monkeypatch.setattr(KERNELS, "ttt_attention", "dense")
     dense = ttt_forward(drafter, batch, targets, steps=5, decay=0.8)
     torch.testing.assert_close(fast.loss, dense.loss, rtol=1e-5, atol=1e-5)
     assert fast.correct.tolist() == dense.correct.tolist()
@@ -240,11 +242,11 @@ def test_ttt_dense_fallback_matches_reference(monkeypatch):
 def test_compiled_loss_equals_eager(monkeypatch):
     """train.compile_loss = "on" on the CPU: the torch.compile'd forward/backward of the soft CE (the
     CUDA default) give the eager values and gradients, through varying row counts (dynamic shapes)."""
-    import specops.drafter.train as train_mod
+    import specops.drafter.losses as losses_mod
 
-    kernels = train_mod._LossKernels()
+    kernels = losses_mod._LossKernels()
     kernels.mode = "on"
-    monkeypatch.setattr(train_mod, "LOSS_KERNELS", kernels)
+    monkeypatch.setattr(losses_mod, "LOSS_KERNELS", kernels)
     g = torch.Generator().manual_seed(0)
     p_all = torch.softmax(3 * torch.randn(40, 512, generator=g), -1)
     for n in (17, 33):
@@ -265,11 +267,11 @@ def test_linear_soft_ce_equals_autograd_reference(monkeypatch, compiled):
     """The fused lm_head + soft CE node (`linear_soft_ce`): loss, CE sum, argmax hits and the
     gradients of h and W equal plain autograd on logits = h W^T, under an upstream gradient != 1
     (eager, and torch.compile'd on the CPU as on CUDA), through varying row counts."""
-    import specops.drafter.train as train_mod
+    import specops.drafter.losses as losses_mod
 
-    kernels = train_mod._LossKernels()
+    kernels = losses_mod._LossKernels()
     kernels.mode = "on" if compiled else "off"
-    monkeypatch.setattr(train_mod, "LOSS_KERNELS", kernels)
+    monkeypatch.setattr(losses_mod, "LOSS_KERNELS", kernels)
     g = torch.Generator().manual_seed(0)
     V, H = 300, 24
     p_all = torch.softmax(3 * torch.randn(40, V, generator=g, dtype=torch.float64), -1)
@@ -296,13 +298,12 @@ def test_ttt_unroll_with_the_shared_block_equals_the_dense_unroll(monkeypatch):
     """The whole unroll with step 0's keys prepared once (ttt_block, the default) and every step's
     RoPE computed up front gives the dense masked unroll's loss, per-step CE sums, hits and every
     parameter gradient (fp64); and the up-front RoPE is each step's own."""
-    import specops.drafter.train as train_mod
 
     drafter, batch, targets = debug_unroll(2, 5, torch.float64)
-    monkeypatch.setattr(train_mod.KERNELS, "fused_loss", "off")
+    monkeypatch.setattr(KERNELS, "fused_loss", "off")
     res = []
     for dense in (False, True):
-        monkeypatch.setattr(train_mod.KERNELS, "ttt_attention", "dense" if dense else "block")
+        monkeypatch.setattr(KERNELS, "ttt_attention", "dense" if dense else "block")
         drafter.zero_grad(set_to_none=True)
         out = ttt_forward(drafter, batch, targets, steps=6, decay=0.8)
         out.loss.backward()
@@ -324,24 +325,24 @@ def test_ttt_unroll_with_the_shared_block_equals_the_dense_unroll(monkeypatch):
 
 def test_fused_loss_switch_defaults_to_cuda_only(monkeypatch):
     """train.fused_loss: "auto" (the default) fuses on CUDA only, "on" everywhere, "off" nowhere."""
-    import specops.drafter.train as train_mod
+    import specops.drafter.losses as losses_mod
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     for mode, want in (("auto", (False, True)), ("on", (True, True)), ("off", (False, False))):
-        monkeypatch.setattr(train_mod.KERNELS, "fused_loss", mode)
-        assert (train_mod.fused_loss_on(cpu), train_mod.fused_loss_on(cuda)) == want, mode
+        monkeypatch.setattr(KERNELS, "fused_loss", mode)
+        assert (losses_mod.fused_loss_on(cpu), losses_mod.fused_loss_on(cuda)) == want, mode
 
 
 def test_ttt_forward_fused_loss_equals_separate(monkeypatch):
     """The TTT unroll with the fused lm_head + CE (the CUDA default) gives the loss, per-step CE sums,
     hits and every parameter gradient of the separate form (train.fused_loss = "off")."""
-    import specops.drafter.train as train_mod
+    import specops.drafter.losses as losses_mod
 
     drafter, batch, targets = debug_unroll(1, 3, torch.float64)
     outs, grads = [], []
     for fused in ("on", "off"):
-        monkeypatch.setattr(train_mod.KERNELS, "fused_loss", fused)
-        assert train_mod.fused_loss_on(torch.device("cpu")) == (fused == "on")
+        monkeypatch.setattr(KERNELS, "fused_loss", fused)
+        assert losses_mod.fused_loss_on(torch.device("cpu")) == (fused == "on")
         drafter.zero_grad(set_to_none=True)
         out = ttt_forward(drafter, batch, targets, steps=5, decay=0.8)
         out.loss.backward()
@@ -398,7 +399,7 @@ def test_cuda_fused_loss_and_layer_regions_equal_separate_eager(monkeypatch):
     regions, compiled loss) against the separate eager forms: same hits, loss and gradients within
     bf16 rounding (each path rounds its own intermediates)."""
     import specops.drafter.model as model_mod
-    import specops.drafter.train as train_mod
+    import specops.drafter.losses as losses_mod
 
     torch.manual_seed(1)
     dev = torch.device("cuda")
@@ -411,11 +412,11 @@ def test_cuda_fused_loss_and_layer_regions_equal_separate_eager(monkeypatch):
     for new in (False, True):
         regions = model_mod._LayerRegions()
         regions.mode = "auto" if new else "off"
-        kernels = train_mod._LossKernels()
+        kernels = losses_mod._LossKernels()
         kernels.mode = "auto" if new else "off"
         monkeypatch.setattr(model_mod, "LAYER_REGIONS", regions)
-        monkeypatch.setattr(train_mod, "LOSS_KERNELS", kernels)
-        monkeypatch.setattr(train_mod.KERNELS, "fused_loss", "on" if new else "off")
+        monkeypatch.setattr(losses_mod, "LOSS_KERNELS", kernels)
+        monkeypatch.setattr(KERNELS, "fused_loss", "on" if new else "off")
         drafter.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = ttt_forward(drafter, batch, targets, steps=4, decay=0.8)
@@ -432,16 +433,16 @@ def test_cuda_fused_loss_and_layer_regions_equal_separate_eager(monkeypatch):
 
 
 def test_compiled_loss_failure_falls_back_to_eager(monkeypatch, caplog):
-    import specops.drafter.train as train_mod
+    import specops.drafter.losses as losses_mod
 
     def broken(fn, **kw):
         def run(*a):
             raise RuntimeError("inductor: no working C++ compiler")
         return run
 
-    kernels = train_mod._LossKernels()
+    kernels = losses_mod._LossKernels()
     kernels.mode = "on"
-    monkeypatch.setattr(train_mod, "LOSS_KERNELS", kernels)
+    monkeypatch.setattr(losses_mod, "LOSS_KERNELS", kernels)
     monkeypatch.setattr(torch, "compile", broken)
     logits = torch.randn(5, 16, requires_grad=True)
     p_all = torch.softmax(torch.randn(3, 16), -1)

@@ -15,7 +15,10 @@ from safetensors.torch import load_file
 from specops.config import load_config
 from specops.drafter.graphs import GraphedMicroStep
 from specops.drafter.model import DrafterConfig, Eagle3Drafter
-from specops.drafter.train import Sample, Teacher, bucketed, collate, linear_soft_ce, make_batches, run_train, teacher_targets, ttt_forward, ttt_forward_static
+from specops.drafter.batch import Teacher, teacher_targets
+from specops.drafter.losses import linear_soft_ce
+from specops.drafter.families.eagle3.objective import ttt_forward, ttt_forward_static
+from specops.drafter.train import Sample, bucketed, collate, make_batches, run_train
 from specops.target.inprocess import TargetHead
 
 from train_builders import BASE, _packed_batch, metrics, seed_campaign
@@ -44,9 +47,9 @@ def _run(drafter, fn):
 def test_static_unroll_equals_the_selecting_unroll(monkeypatch, fused):
     """Loss, per-step CE sums, hits, counts and every parameter gradient: the same in fp64, with the
     fused lm_head + CE (the CUDA default) and the separate form."""
-    import specops.drafter.train as train_mod
+    from specops.drafter.model import KERNELS
 
-    monkeypatch.setattr(train_mod.KERNELS, "fused_loss", fused)
+    monkeypatch.setattr(KERNELS, "fused_loss", fused)
     drafter, teacher, batch = _setup()
     K = 5
     dyn, g_dyn = _run(drafter, lambda: ttt_forward(drafter, batch, teacher_targets(teacher, batch), steps=K, decay=0.8))

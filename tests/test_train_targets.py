@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from specops.campaign import Campaign
 from specops.config import config_from_dict
 from specops.drafter import train as train_mod
+from specops.drafter.families.eagle3 import objective
 from specops.drafter.train import run_train
 from specops.extract import run_extract
 
@@ -105,7 +106,7 @@ class Spy:
         self.init: dict[str, torch.Tensor] | None = None
         self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (input_ids, doc, row_of)
         self.logits: list[torch.Tensor] = []
-        real_ttt, real_targets, real_logits = train_mod.ttt_forward, train_mod.teacher_targets, train_mod.Teacher.logits
+        real_ttt, real_targets, real_logits = objective.ttt_forward, train_mod.teacher_targets, train_mod.Teacher.logits
 
         def ttt_forward(drafter, *a, **k):
             if self.init is None:
@@ -130,7 +131,7 @@ class Spy:
 
     def __enter__(self) -> "Spy":
         self._mp = pytest.MonkeyPatch()
-        self._mp.setattr(train_mod, "ttt_forward", self._patches["ttt_forward"])
+        self._mp.setattr(objective, "ttt_forward", self._patches["ttt_forward"])
         self._mp.setattr(train_mod, "teacher_targets", self._patches["teacher_targets"])
         self._mp.setattr(train_mod.Teacher, "logits", self._patches["logits"])
         return self

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from specops.campaign import Campaign
 from specops.config import load_config
-from specops.drafter.train import Batch
+from specops.drafter.batch import Batch
 from specops.target import default_aux_layer_ids
 
 VOCAB, DRAFT_VOCAB = 128, 80

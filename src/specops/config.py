@@ -335,7 +335,7 @@ class EvalSection:
     seed: int = 0
     drafter: str | None = None  # an export dir or a training checkpoint; default: the campaign's latest
     target_runner: Literal["auto", "hf", "static"] = "auto"  # auto: static cache + CUDA graphs on CUDA (fast_target.py)
-    drafter_runner: Literal["auto", "eager", "static"] = "auto"  # auto: static cache + a CUDA graph per chain on CUDA (fast_drafter.py)
+    drafter_runner: Literal["auto", "eager", "static"] = "auto"  # auto: static cache + a CUDA graph per chain on CUDA (families/eagle3/drafting.py)
     # The target-only greedy run per turn: the measured speedup and (T = 0) the identity check. False
     # halves the work of a tau-only evaluation (no speedup, no identity check).
     baseline: bool = True

@@ -6,8 +6,9 @@ lines and the elapsed time are shown; it is "up" only when /health answers and /
 the expected id (then the full health tiers run once). Stopping signals the whole group and checks
 that nothing of it remains. GPUs that preflight marks busy are refused before anything starts.
 
-With `[serve] drafter` the target is served with an EAGLE-3 drafter. The drafter directory is
-checked against the target (`check_export`, as `specops export --check`) before anything starts:
+With `[serve] drafter` the target is served with its drafter. The drafter directory is checked
+against the target (`check_export`, as `specops export --check`) before anything starts, and its
+family gives the engine's flags (`DrafterFamily.serve_argv`); for EAGLE-3:
 
     vLLM, vLLM-format dir      --model TARGET --speculative-config {"method":"eagle3","model":DIR,
                                "num_speculative_tokens":K}
@@ -40,15 +41,18 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .campaign import Campaign, atomic_write_json, now_iso
 from .config import SERVE_DRAFTER_EXPORTS, Config
 from .errors import ConfigError, SpecopsError
 from .models import resolve_model_dir, served_name
 from .serverproc import VllmServer, launch_server
+
+if TYPE_CHECKING:
+    from .drafter.families import DrafterFamily
 
 
 # The two servers' names for the same settings: one declarative map, one argv builder.
@@ -74,6 +78,7 @@ class ServedDrafter:
     format: str  # "vllm" or "speculators", as check_export reads the directory
     k: int  # num_speculative_tokens: drafts per target step
     as_model: bool  # vLLM serves the speculators dir itself as the model
+    family: DrafterFamily = field(repr=False, compare=False)  # the family that reads the dir: its serve flags
 
     def to_json(self) -> dict:
         return {"path": str(self.path), "format": self.format, "num_speculative_tokens": self.k,
@@ -119,7 +124,7 @@ def resolve_drafter(cfg: Config, model_dir: Path) -> ServedDrafter | None:
                               "model; export it again for this target")
         k = k or int(sc["proposal_methods"][0]["speculative_tokens"])
     return ServedDrafter(path=path, format=report.format, k=k or cfg.eval.k,
-                         as_model=sv.engine == "vllm" and report.format == "speculators")
+                         as_model=sv.engine == "vllm" and report.format == "speculators", family=report.family)
 
 
 PER_REQUEST_METRICS_FLAG = "--per-request-spec-decode-metrics"
@@ -150,14 +155,9 @@ def drafter_argv(engine: str, drafter: ServedDrafter, *, per_request_metrics: bo
     """The flags that add `drafter` to a vLLM or SGLang command line (module docstring).
     `per_request_metrics`: vLLM reports each request's accepted drafts per verify step in the
     response (`--per-request-spec-decode-metrics detailed`), what the interop check compares."""
+    out = drafter.family.serve_argv(engine, drafter.path, drafter.k, as_model=drafter.as_model)
     if engine == "sglang":
-        return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter.path),
-                "--speculative-num-steps", str(drafter.k), "--speculative-eagle-topk", "1",
-                "--speculative-num-draft-tokens", str(drafter.k + 1)]
-    spec: dict = {"num_speculative_tokens": drafter.k}
-    if not drafter.as_model:
-        spec = {"method": "eagle3", "model": str(drafter.path), **spec}
-    out = ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+        return out
     return out + [PER_REQUEST_METRICS_FLAG, "detailed"] if per_request_metrics else out
 
 

@@ -1,4 +1,6 @@
-"""EAGLE-3 drafter: architecture (model.py), training with training-time test (train.py), export (export.py)."""
+"""Drafters: the families (families/: model, objective, drafting rule, export formats, serve flags
+behind one interface), and what they share: training (train.py, batch.py, losses.py, graphs.py,
+optim.py, checkpoint.py), the export phase (export.py) and the file layouts (formats.py)."""
 
 from .model import DrafterConfig, Eagle3Drafter
 

@@ -2,7 +2,8 @@
 
 A checkpoint is complete when every file of CKPT_FILES is present and state.json says so; it is
 written under a temp name, fsync'd and renamed, so a kill leaves either the old set or the new one.
-train writes and resumes them; export and eval read the drafter back with `load_drafter`.
+train writes and resumes them; export and eval read the drafter back with `load_drafter` (the
+model of `families.TRAINED`, the family train builds, from drafter_config.json).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..campaign import fsync_file, now_iso, read_json
 from ..errors import ConfigError
-from .model import DrafterConfig, Eagle3Drafter
+from .families import TRAINED
 from .optim import OptimizerSet
 
 CKPT_FILES = ("model.safetensors", "drafter_config.json", "optimizer.pt", "rng.pt", "state.json")
@@ -50,18 +52,17 @@ def latest_checkpoint(drafter_dir: Path) -> Path | None:
     return cks[-1][1] if cks else None
 
 
-def load_drafter(ckpt_dir: str | os.PathLike[str], device: str | torch.device = "cpu") -> Eagle3Drafter:
+def load_drafter(ckpt_dir: str | os.PathLike[str], device: str | torch.device = "cpu") -> nn.Module:
     """A drafter from a checkpoint directory (its config travels with it)."""
     from safetensors.torch import load_file
 
     ckpt_dir = Path(ckpt_dir)
-    cfg = DrafterConfig.from_dict(json.loads((ckpt_dir / "drafter_config.json").read_text()))
-    model = Eagle3Drafter(cfg)
+    model = TRAINED.drafter_from_config(json.loads((ckpt_dir / "drafter_config.json").read_text()))
     model.load_state_dict(load_file(str(ckpt_dir / "model.safetensors")), strict=True)
     return model.to(device)
 
 
-def save_checkpoint(drafter_dir: Path, step: int, drafter: Eagle3Drafter, optimizer, scheduler,
+def save_checkpoint(drafter_dir: Path, step: int, drafter: nn.Module, optimizer, scheduler,
                     state: dict[str, Any], keep: int) -> Path:
     """Write step-<n>/ under a temp name, fsync, rename; then prune to the newest `keep`."""
     from safetensors.torch import save_file
@@ -92,12 +93,13 @@ def save_checkpoint(drafter_dir: Path, step: int, drafter: Eagle3Drafter, optimi
     return final
 
 
-def load_checkpoint(path: Path, drafter: Eagle3Drafter, optimizer, scheduler) -> dict[str, Any]:
+def load_checkpoint(path: Path, drafter: nn.Module, optimizer, scheduler) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    sd = load_file(str(path / "model.safetensors"), device=str(drafter.fc.weight.device))
+    device = next(drafter.parameters()).device
+    sd = load_file(str(path / "model.safetensors"), device=str(device))
     drafter.load_state_dict(sd, strict=True)
-    opt = torch.load(path / "optimizer.pt", map_location=drafter.fc.weight.device, weights_only=True)
+    opt = torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
     if "optimizers" in opt["optimizer"] and not isinstance(optimizer, OptimizerSet):
         raise ConfigError(f"{path}: the checkpoint's optimizer state holds {sorted(opt['optimizer']['optimizers'])}, "
                           "this run has one AdamW: resume with the train.optimizer it was trained with")

@@ -6,8 +6,9 @@ issues ~2,000 kernels per step (7 unrolled steps, forward and backward) and the 
 CUDA graph replays all of them with one launch.
 
 What makes it possible:
-- `train.ttt_forward_static`: the same loss with no host sync and no data-dependent shape (the
-  teacher and the loss run on every slot, the slots that do not count weighted 0).
+- the family's static objective (EAGLE-3: `ttt_forward_static`): the same loss with no host sync
+  and no data-dependent shape (the teacher and the loss run on every slot, the slots that do not
+  count weighted 0).
 - Few shapes: with `train.cuda_graphs` the trainer pads every row to a multiple of
   `train.graph_bucket` tokens and plans batches with those padded lengths, so one graph serves every
   batch of the same (rows, padded length); each shape is captured once.
@@ -33,7 +34,7 @@ import torch
 
 log = logging.getLogger("specops.train")
 
-StepFn = Callable[[Any], Any]  # Batch on the device -> TTTOut (forward only; the loss is out.loss)
+StepFn = Callable[[Any], Any]  # Batch on the device -> ObjectiveOut (forward only; the loss is out.loss)
 
 
 class _Captured:
@@ -42,7 +43,7 @@ class _Captured:
 
 
 class GraphedMicroStep:
-    """forward + backward of one micro-batch: `step(host_batch)` -> TTTOut with detached values.
+    """forward + backward of one micro-batch: `step(host_batch)` -> ObjectiveOut with detached values.
 
     fn(batch) runs the forward (under `autocast()`); the backward is `(out.loss * loss_scale)`.
     On a CPU device, or with use_graphs False, every call is the eager form (the same math: what the

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter: architecture only (training: train.py, export: export.py).
+"""The EAGLE-3 drafter: architecture only (its family, with objective, drafting and export: families/eagle3/).
 
 One Llama decoder layer whose attention reads [embed(token) normed, fused hidden normed] (2H),
 a fusion `fc` (3·H_target -> H) of three target hidden states, a final `norm` and an `lm_head`
@@ -53,7 +53,7 @@ class KernelOptions:
 
     ttt_attention: "block" (step 0's keys once + a per-slot dot product for the diagonal blocks,
         `ttt_attention`) or "dense" ([T, (k+1)T] masks through SDPA: the reference form).
-    fused_loss: lm_head + soft CE as one autograd node per TTT step (`train.linear_soft_ce`);
+    fused_loss: lm_head + soft CE as one autograd node per TTT step (`losses.linear_soft_ce`);
         "auto" = on CUDA.
     compile_loss / compile_layer: torch.compile the soft CE kernels / the drafter layer's
         elementwise regions; "auto" = on CUDA. compile_layer defaults to off: its dynamic-shape
@@ -142,7 +142,7 @@ class _LayerRegions(CompiledOrEager):
 LAYER_REGIONS = _LayerRegions()
 
 # Parameter and buffer names of the drafter, exactly as DESIGN.md fixes them. A test asserts the
-# module's state_dict keys equal this tuple; export.py maps nothing (vLLM reads these names).
+# module's state_dict keys equal this tuple; the vLLM export maps nothing (vLLM reads these names).
 STATE_DICT_KEYS = (
     "embed_tokens.weight",
     "fc.weight",

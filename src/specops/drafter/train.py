@@ -1,32 +1,13 @@
-"""Train the EAGLE-3 drafter with training-time test (TTT): features/ (or an in-process target) ->
-drafter/checkpoints/step-<n>/, drafter/metrics.jsonl, drafter/manifest.json.
+"""Train a drafter: features/ (or an in-process target) -> drafter/checkpoints/step-<n>/,
+drafter/metrics.jsonl, drafter/manifest.json.
 
-Alignment (one document x_0..x_{n-1}; aux_t [3, H] and final_t [H] are the target's states at
-token t, final pre-norm). TTT unrolls K steps; at step k, slot t:
-
-    input token   x_{t+1+k}                       (step 0: input_ids shifted left by one)
-    hidden in     k = 0: fc(aux_t);  k > 0: the drafter's own step k-1 output at slot t
-    position      t + k                           (vLLM: the hidden's position, +1 per draft step)
-    predicts      x_{t+2+k}
-    teacher       softmax(lm_head(norm(final_{t+1+k}))[draft ids])   (the target's next-token
-                  distribution after x_{t+1+k}, restricted to the draft vocab)
-    counted iff   t+2+k <= n-1 and loss_mask[t+2+k] == 1
-
-That is inference in vLLM: the target ran x_0..x_t and sampled x_{t+1}; the drafter gets
-(hidden_t, x_{t+1}) at position t and proposes x_{t+2}; then (its own hidden, x_{t+2}) at t+1 ...
-
-Attention at step k (keys laid out [K_0 | K_1 | ... | K_k], each [B, nkv, T, d]; bool mask
-[B, 1, T, (k+1)·T]): the query of slot t sees the step-0 keys of slots s <= t of its own document
-(block 0: causal & same document) and, for j = 1..k, the step-j key of slot t itself (blocks
-1..k: the diagonal). Those are exactly the keys a chain started at t has in vLLM's KV cache at its
-k-th draft: the prefix computed from target states, then its own previous drafts. The diagonal
-blocks hold one key per row, so the drafter computes them as per-slot dot products and runs SDPA
-over block 0 only (model.ttt_attention: about (k+1)x less score work at step k, one [T, T] mask
-for all steps). train.ttt_attention = "dense" runs the dense form above instead (the reference).
-
-Loss: sum_k loss_decay^k · mean over counted slots of the soft cross-entropy
--sum_v p_teacher(v) log p_drafter(v). Per-step accuracy: argmax drafter == argmax teacher (draft
-vocab). Simulated tau (chain of K drafts, temperature 0): 1 + sum_k prod_{i<=k} acc_i.
+What every drafter family shares is here: the data pipeline (feature or token splits, loss masks,
+length-bucketed or packed batches, collation into `batch.Batch`, online features), the trainer loop
+(gradient accumulation, DDP, CUDA-graph micro-steps, the validation pass, heartbeats, metrics, the
+manifest) and its checkpoints. The family (`drafter/families/`; `families.TRAINED`) gives the
+drafter, its objective over a batch and the teacher's targets (loss and per-position accuracy),
+the simulated tau of that accuracy and the conventions the manifest records; EAGLE-3's training-time
+test is `families/eagle3/objective.py`.
 """
 
 from __future__ import annotations
@@ -43,31 +24,22 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from ..campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json
 from ..errors import ConfigError, InputError, Interrupted
 from ..features import FeatureReader
-from ..measures import simulated_tau
 from ..progress import ROUTINE, phase_progress
 from .checkpoint import checkpoints_dir, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from .graphs import GraphedMicroStep
 from .optim import build_optimizer
 from ..target import default_aux_layer_ids
-from ..target.inprocess import TargetHead, load_target_head
-from .model import (
-    KERNELS,
-    CompiledOrEager,
-    DrafterConfig,
-    Eagle3Drafter,
-    count_parameters,
-    set_kernel_options,
-    switch_on,
-    ttt_block,
-)
+from ..target.inprocess import load_target_head
+from .batch import Batch, Teacher, teacher_targets
+from .families import TRAINED
+from .model import count_parameters, set_kernel_options
 
 log = logging.getLogger("specops.train")
 
@@ -78,41 +50,7 @@ HEARTBEAT_S = 10.0  # the longest wall time between two training heartbeats (may
 FEW_STEPS = 2000
 
 
-def fused_loss_on(device: torch.device) -> bool:
-    """Whether the TTT loop computes lm_head + soft CE as one autograd node per step
-    (`linear_soft_ce`: one pass reads each logit and its teacher probability once and keeps the
-    logit gradient) on this device; train.fused_loss, "auto" = on CUDA. Off: lm_head through
-    autograd, then `soft_cross_entropy`."""
-    return switch_on(KERNELS.fused_loss, device)
-
-
 FeaturesFn = Callable[[list[torch.Tensor]], dict[str, Any]]
-
-
-# ---------------------------------------------------------------- teacher
-
-class Teacher:
-    """Target logits over the draft vocab from final hidden states: lm_head(norm(final)) rows d2t.
-
-    Only the draft-vocab rows of lm_head are kept ([Vd, H] instead of [V, H]): softmax over the
-    draft vocab needs nothing else, and it cuts the matmul by V/Vd.
-    """
-
-    def __init__(self, head: TargetHead, d2t: torch.Tensor, *, final_prenorm: bool, device: torch.device,
-                 dtype: torch.dtype):
-        ids = torch.arange(d2t.numel()) + d2t.cpu()
-        self.rows = head.lm_head[ids].to(device=device, dtype=dtype)  # [Vd, H]
-        self.norm_weight = head.norm_weight.to(device)
-        self.eps = head.rms_norm_eps
-        self.final_prenorm = final_prenorm
-
-    @torch.no_grad()
-    def logits(self, final: torch.Tensor) -> torch.Tensor:
-        """final [..., H] -> [..., Vd] float32."""
-        x = final.float()
-        if self.final_prenorm:  # as the target's RMSNorm: fp32 statistics, weight in fp32
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
-        return (x.to(self.rows.dtype) @ self.rows.T).float()
 
 
 # ---------------------------------------------------------------- data
@@ -312,24 +250,6 @@ def pack_batches(lengths: list[int], row_tokens: int, rows_per_batch: int, *, se
     return batches
 
 
-@dataclass
-class Batch:
-    """Rows of one or more documents, right-padded to T. Padding has doc = -1."""
-
-    input_ids: torch.Tensor  # int64 [B, T]
-    loss_mask: torch.Tensor  # bool [B, T]
-    doc: torch.Tensor  # int64 [B, T], document number within the row, -1 = padding
-    pos: torch.Tensor  # int64 [B, T], position within the document
-    doc_end: torch.Tensor  # int64 [B, T], slot index one past the document's last token
-    aux: torch.Tensor  # [B, T, 3, H_target]
-    final: torch.Tensor  # [B, T, H]
-    n_tokens: int
-
-    def to(self, device: torch.device) -> "Batch":
-        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return Batch(**{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in kw.items()})
-
-
 def collate(rows: list[list[Sample]], *, pin: bool = False, pad_to: int = 1) -> Batch:
     """rows[r] = the documents packed into row r (in order). Each sample must carry aux/final.
     pin: allocate the host tensors in page-locked memory, so that the copy to the GPU can run
@@ -400,318 +320,6 @@ def target_features_fn(model_dir: str | os.PathLike[str], device: torch.device,
 
     fn.aux_layer_ids = ids  # type: ignore[attr-defined]
     return fn
-
-
-# ---------------------------------------------------------------- training-time test
-
-def shift_left(x: torch.Tensor, n: int, fill: Any = 0) -> torch.Tensor:
-    """[B, T, ...] -> y[:, t] = x[:, t + n], `fill` past the end."""
-    if n == 0:
-        return x
-    pad = torch.full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
-    return torch.cat([x[:, n:], pad], dim=1)
-
-
-class Targets(NamedTuple):
-    p: torch.Tensor  # float32 [M, Vd] teacher probabilities over the draft vocab
-    argmax: torch.Tensor  # int64 [M]
-    row_of: torch.Tensor  # int64 [B, T]: slot j -> row of p (or -1), the distribution after x_j
-
-
-def teacher_targets(teacher: Teacher, batch: Batch) -> Targets:
-    """Teacher distributions for the slots some step needs: j with x_{j+1} in the same document
-    and trainable (slot t+1+k feeds step k at slot t)."""
-    B, T = batch.input_ids.shape
-    slot = torch.arange(T, device=batch.doc.device)
-    need = (batch.doc >= 0) & (slot + 1 < batch.doc_end) & shift_left(batch.loss_mask, 1, False)
-    idx = need.view(-1).nonzero().squeeze(1)  # the step's one host sync here (the row count)
-    row_of = torch.full((B * T,), -1, dtype=torch.long, device=need.device)
-    row_of[idx] = torch.arange(idx.numel(), device=need.device)
-    logits = teacher.logits(batch.final.reshape(B * T, -1).index_select(0, idx))  # [M, Vd]
-    return Targets(torch.softmax(logits, dim=-1), logits.argmax(-1), row_of.view(B, T))
-
-
-def _ce_forward(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    x = logits.float()
-    return -(p_all[rows] * torch.log_softmax(x, dim=-1)).sum(-1)
-
-
-def _ce_backward(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    return ((torch.softmax(logits.float(), dim=-1) - p_all[rows]) * grad[:, None]).to(logits.dtype)
-
-
-def _ce_fused(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, tgt: torch.Tensor):
-    """One pass over [n, Vd]: (soft CE per row, d ce_i / d logits_i per row, argmax hit per row).
-
-    ce_i = sum_v p_iv (lse_i - x_iv); d ce_i / d x_i = softmax(x_i) · sum_v p_iv - p_i, which is
-    softmax(x_i) - p_i as teacher rows are softmaxes (sum to 1). Math in fp32 (fp64 stays fp64).
-    Row reductions only: the sums over rows happen outside, eagerly. A full reduction to a scalar
-    inside a dynamic-shape graph can compile to a single-block kernel when the first call's size
-    hint was small."""
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    p = p_all[rows]
-    lse = torch.logsumexp(x, -1, keepdim=True)
-    ce = (p * (lse - x)).sum(-1)
-    grad = (torch.exp(x - lse) - p).to(logits.dtype)
-    return ce, grad, x.argmax(-1) == tgt
-
-
-class _LossKernels(CompiledOrEager):
-    """The soft cross-entropy's forward and backward, eager or fused by torch.compile.
-
-    Eagerly each is a chain of full passes over [n, Vd] in fp32 (cast, gather p_all[rows],
-    log_softmax or softmax, multiply, reduce): about 90 bytes moved per logit per TTT step, which on
-    the H200 made the loss, not the matmuls, the largest device time of a SmolLM2-sized step. Compiled
-    (two small graphs, dynamic shapes: one compile each per process, seconds), the gather becomes an
-    indirect load inside one fused reduction: ~8 bytes per logit. train.compile_loss: "auto"
-    (default: compile on CUDA), "on" (also on CPU), "off" (never). A compile or run that raises
-    turns it off for the process with a warning, and the eager pair computes the step.
-    """
-
-    def __init__(self) -> None:
-        super().__init__("compile_loss", "loss")
-
-    def forward(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self.run(_ce_forward, logits, p_all, rows)
-
-    def backward(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor
-                 ) -> torch.Tensor:
-        return self.run(_ce_backward, logits, p_all, rows, grad)
-
-    def fused(self, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor, tgt: torch.Tensor):
-        return self.run(_ce_fused, logits, p_all, rows, tgt)
-
-
-LOSS_KERNELS = _LossKernels()
-
-
-class _SoftCrossEntropy(torch.autograd.Function):
-    """-sum_v p(v) log softmax(logits)(v) per row, p = p_all[rows].
-
-    Saves only the logits (bf16 under autocast) and the row indices into p_all, which all K steps
-    share; autograd's own graph would keep p[rows] and log_softmax in fp32 for every step (at 16K
-    tokens × 32K draft vocab that is 4 GiB per step). Gradient: (softmax(logits) - p) · g, as sum(p) = 1.
-    Both directions run through LOSS_KERNELS (fused by torch.compile on CUDA).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        ce = LOSS_KERNELS.forward(logits, p_all, rows)
-        ctx.save_for_backward(logits, p_all, rows)
-        return ce
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, p_all, rows = ctx.saved_tensors
-        return LOSS_KERNELS.backward(logits, p_all, rows, grad.contiguous()), None, None
-
-
-def soft_cross_entropy(logits: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """logits [n, Vd]; p_all float32 [M, Vd] (rows sum to 1); rows int64 [n] -> ce float32 [n]."""
-    return _SoftCrossEntropy.apply(logits, p_all, rows)
-
-
-class _LinearSoftCE(torch.autograd.Function):
-    """scale · sum_i CE(p_all[rows_i], softmax(h_i · W^T)) as one node; also the CE sum and argmax hits.
-
-    The separate form (lm_head through autograd, then `_SoftCrossEntropy`) moves each [n, Vd] logit
-    four times after the matmul writes it: the CE forward reads it with p, the backward reads both
-    again and writes the gradient, the accuracy's argmax reads it once more. Here one fused pass
-    (`_ce_fused`, compiled like `LOSS_KERNELS`' others) reads logits and p once and writes the logit
-    gradient, which the forward keeps instead of the logits. The backward is then only the two
-    matmuls; the loss's scale and the incoming gradient multiply their small outputs ([n, H], [Vd, H]),
-    never the [n, Vd] gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor,
-                tgt: torch.Tensor, scale: float | torch.Tensor, valid: torch.Tensor | None):
-        dev = h.device.type
-        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-        hc, wc = h.to(dt), weight.to(dt)
-        with torch.autocast(dev, enabled=False):
-            logits = hc @ wc.T  # [n, Vd]
-            ce, grad, hit = LOSS_KERNELS.fused(logits, p_all, rows, tgt)
-            if valid is None:
-                ce_sum, correct = ce.sum(), hit.sum()
-            else:  # rows that do not count: out of the sums, and their gradient rows are zeroed below
-                ce_sum, correct = torch.where(valid, ce, 0.0).sum(), (hit & valid).sum()
-                hc = hc * valid[:, None].to(dt)  # exact (x 0 or 1): keeps them out of lm_head's gradient
-        del logits, ce, hit
-        ctx.save_for_backward(grad, hc, wc, valid)
-        ctx.scale = scale
-        ctx.dtypes = (h.dtype, weight.dtype)
-        ctx.mark_non_differentiable(ce_sum, correct)
-        return ce_sum * scale, ce_sum, correct
-
-    @staticmethod
-    def backward(ctx, g_loss: torch.Tensor, _g_ce: Any, _g_correct: Any):
-        grad, hc, wc, valid = ctx.saved_tensors
-        s = (g_loss.to(torch.promote_types(g_loss.dtype, torch.float32)) * ctx.scale).to(grad.dtype)
-        gh = gw = None
-        if ctx.needs_input_grad[0]:
-            gh = (grad @ wc).mul_(s)
-            if valid is not None:
-                gh = torch.where(valid[:, None], gh, 0.0)
-            gh = gh.to(ctx.dtypes[0])
-        if ctx.needs_input_grad[1]:
-            gw = (grad.T @ hc).mul_(s).to(ctx.dtypes[1])
-        return gh, gw, None, None, None, None, None
-
-
-def linear_soft_ce(h: torch.Tensor, weight: torch.Tensor, p_all: torch.Tensor, rows: torch.Tensor,
-                   tgt: torch.Tensor, scale: float | torch.Tensor, valid: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [n, H] (normed drafter states), weight [Vd, H] (lm_head), p_all float32 [M, Vd], rows int64 [n],
-    tgt int64 [n] (teacher argmax per row), scale a float or a 0-d tensor -> (scale · ce sum:
-    differentiable, ce sum, argmax hits). valid bool [n] (optional): only those rows count, in the sums
-    and in the gradients (the static unroll's masked slots)."""
-    return _LinearSoftCE.apply(h, weight, p_all, rows, tgt, scale, valid)
-
-
-class TTTOut(NamedTuple):
-    loss: torch.Tensor  # scalar, sum_k decay^k · ce_sum[k] / count[k]
-    ce_sum: torch.Tensor  # float32 [K], detached
-    correct: torch.Tensor  # int64 [K]
-    count: torch.Tensor  # int64 [K]
-    logits: list[torch.Tensor] | None  # per step [B, T, Vd] (return_logits=True; tests)
-
-
-def ttt_masks(doc: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Bool attention masks [B, 1, T, (k+1)·T] for k = 0..steps-1 (see the module docstring)."""
-    B, T = doc.shape
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
-    # Padding (doc = -1) attends to earlier padding only: never an empty row (NaN), never seen by real slots.
-    block0 = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # [B, 1, T, T]
-    diag = torch.eye(T, dtype=torch.bool, device=doc.device).expand(B, 1, T, T)
-    return [torch.cat([block0] + [diag] * k, dim=-1) for k in range(steps)]
-
-
-def ttt_unroll(drafter: Eagle3Drafter, batch: Batch, steps: int):
-    """The unroll's drafter steps: yields step k's output hidden [B, T, H] (pre-norm), k = 0..steps-1.
-    The loss on each step is the caller's (`ttt_forward`, `ttt_forward_static`)."""
-    hidden = drafter.fuse(batch.aux)  # [B, T, H]
-    dense = KERNELS.ttt_attention == "dense"
-    masks = ttt_masks(batch.doc, steps) if dense else [ttt_masks(batch.doc, 1)[0]] * steps
-    past: list[tuple[torch.Tensor, torch.Tensor]] = []
-    # Every step's RoPE (positions pos + k) in one pass, in the dtype q and k will have (the autocast
-    # dtype, else the weights'), so no step recomputes or casts it.
-    dev = hidden.device
-    rdt = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else drafter.fc.weight.dtype
-    offs = torch.arange(steps, device=batch.pos.device).view(steps, 1, 1)
-    cos_all, sin_all = (r.to(rdt) for r in drafter.rope(batch.pos[None] + offs))  # [K, B, T, d]
-    for k in range(steps):
-        tokens = shift_left(batch.input_ids, 1 + k)  # [B, T]: x_{t+1+k}
-        out = drafter(tokens, hidden, None, attn_mask=masks[k], past_kv=past, return_logits=False,
-                      ttt=not dense, rope=(cos_all[k], sin_all[k]))  # positions pos + k: in cos_all[k]
-        # Steps >= 1 read step 0's keys in one prepared form (ttt_block): built once per unroll.
-        past.append(ttt_block(out.kv, masks[0], drafter.config.num_attention_heads)
-                    if k == 0 and not dense and steps > 1 else out.kv)
-        hidden = out.hidden  # [B, T, H], the next step's hidden input (gradient flows through)
-        yield hidden
-
-
-def counted_slots(batch: Batch, steps: int) -> torch.Tensor:
-    """bool [K, B*T]: slot t counts at step k iff x_{t+2+k} is in its document and trainable."""
-    B, T = batch.input_ids.shape
-    slot = torch.arange(T, device=batch.doc.device)
-    return torch.stack([(batch.doc >= 0) & (slot + 2 + k < batch.doc_end)
-                        & shift_left(batch.loss_mask, 2 + k, False) for k in range(steps)]).view(steps, B * T)
-
-
-def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps: int, decay: float,
-                return_logits: bool = False) -> TTTOut:
-    B, T = batch.input_ids.shape
-    # Every step's counted slots depend on the batch alone: found up front with one nonzero over
-    # [K, B*T] (row-major, so each step's slots keep the order of a boolean index), instead of two
-    # host syncs per step. valid_k: x_{t+2+k} is in the document and trainable.
-    valid = counted_slots(batch, steps)
-    row_src = torch.stack([shift_left(targets.row_of, 1 + k, -1) for k in range(steps)]).view(steps, B * T)
-    nz = valid.nonzero()  # [N, 2]: (step, slot)
-    n_per = valid.sum(1)  # [K] on the device (the counts below)
-    sizes = n_per.tolist()  # the queue is drained already: no second wait
-    slots_k = nz[:, 1].split(sizes)
-    rows_k = row_src[nz[:, 0], nz[:, 1]].split(sizes)  # teacher after x_{t+1+k}
-    fused = fused_loss_on(batch.doc.device) and drafter.lm_head.bias is None
-    loss = batch.aux.new_zeros((), dtype=torch.float32)
-    ce_sums, corrects, all_logits = [], [], []
-    for k, hidden in enumerate(ttt_unroll(drafter, batch, steps)):
-        rows = rows_k[k]
-        sel = hidden.reshape(B * T, -1).index_select(0, slots_k[k])  # [n_k, H]
-        if fused:
-            part, ce_sum, correct = linear_soft_ce(drafter.norm(sel), drafter.lm_head.weight, targets.p, rows,
-                                                   targets.argmax[rows], (decay ** k) / max(sizes[k], 1))
-            loss = loss + part
-            ce_sums.append(ce_sum)
-            corrects.append(correct)
-        else:
-            logits = drafter.compute_logits(sel)  # [n_k, Vd]
-            ce = soft_cross_entropy(logits, targets.p, rows)  # [n_k] float32
-            loss = loss + (decay ** k) * ce.sum() / max(sizes[k], 1)
-            ce_sums.append(ce.detach().sum())
-            corrects.append((logits.detach().argmax(-1) == targets.argmax[rows]).sum())
-        if return_logits:
-            all_logits.append(drafter.compute_logits(hidden).float())
-    return TTTOut(loss, torch.stack(ce_sums), torch.stack(corrects), n_per, all_logits if return_logits else None)
-
-
-def ttt_forward_static(drafter: Eagle3Drafter, teacher: Teacher, batch: Batch, *, steps: int,
-                       decay: float) -> TTTOut:
-    """The teacher and the unroll's loss with no host sync and no shape that depends on the data, so
-    that the forward and backward of a micro-batch can be captured as one CUDA graph (`graphs.py`).
-
-    The same loss as `teacher_targets` + `ttt_forward`: those select the counted slots (a nonzero, a
-    host sync, and [n_k, ...] shapes that change with every batch); here the teacher runs on every
-    slot of the batch and every step's lm_head + soft CE on every slot, the slots that do not count
-    masked out of the sums (weight 0), and the per-step means divide by counts that stay on the
-    device. The extra work is the padding and the slots no step counts (prompts, document tails)."""
-    B, T = batch.input_ids.shape
-    N = B * T
-    dev = batch.doc.device
-    t_logits = teacher.logits(batch.final.reshape(N, -1))  # [N, Vd] float32, no grad
-    p_all = torch.softmax(t_logits, dim=-1)
-    t_arg = t_logits.argmax(-1)
-    del t_logits
-    valid = counted_slots(batch, steps)  # [K, N]
-    n_per = valid.sum(1)  # [K]
-    inv = 1.0 / n_per.clamp(min=1).to(torch.promote_types(batch.aux.dtype, torch.float32))
-    # step k at slot t reads the teacher after x_{t+1+k}: slot t+1+k of the same row (clamped at the
-    # row's end, where no slot counts)
-    base = (torch.arange(B, device=dev) * T)[:, None]
-    slot = torch.arange(T, device=dev)
-    fused = fused_loss_on(dev) and drafter.lm_head.bias is None
-    loss = batch.aux.new_zeros((), dtype=torch.float32)
-    ce_sums, corrects = [], []
-    for k, hidden in enumerate(ttt_unroll(drafter, batch, steps)):
-        rows = (base + (slot + 1 + k).clamp(max=T - 1)).view(N)
-        h = hidden.reshape(N, -1)
-        tgt = t_arg[rows]
-        scale = inv[k] * (decay ** k)
-        if fused:
-            part, ce_sum, correct = linear_soft_ce(drafter.norm(h), drafter.lm_head.weight, p_all, rows, tgt,
-                                                   scale, valid[k])
-        else:
-            logits = drafter.compute_logits(h)  # [N, Vd]
-            ce = torch.where(valid[k], soft_cross_entropy(logits, p_all, rows), 0.0)  # [N] float32
-            part = ce.sum() * scale.to(ce.dtype)  # as the selecting form: the CE and its sums in fp32
-            ce_sum = ce.detach().sum()
-            correct = ((logits.detach().argmax(-1) == tgt) & valid[k]).sum()
-        loss = loss + part
-        ce_sums.append(ce_sum)
-        corrects.append(correct)
-    return TTTOut(loss, torch.stack(ce_sums), torch.stack(corrects), n_per, None)
-
-
-class TTTModule(nn.Module):
-    """The whole unroll as one forward, so DDP sees one forward per backward."""
-
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
-        super().__init__()
-        self.drafter = drafter
-        self.steps, self.decay = steps, decay
-
-    def forward(self, batch: Batch, targets: Targets) -> TTTOut:
-        return ttt_forward(self.drafter, batch, targets, steps=self.steps, decay=self.decay)
 
 
 # ---------------------------------------------------------------- distributed
@@ -910,11 +518,11 @@ class _Trainer:
             raise InputError("the train split has no usable sample (each needs >= 3 tokens and a trainable token)")
 
         # target head -> drafter + teacher
+        self.family = family = TRAINED
         head = load_target_head(self.model_dir)
         if aux_ids is None:
-            aux_ids = default_aux_layer_ids(int(head.config["num_hidden_layers"]))
-        self.dcfg = DrafterConfig.from_target(head.config, d2t.numel(), aux_ids,
-                                              norm_before_residual=tc.norm_before_residual)
+            aux_ids = family.feature_layer_ids(int(head.config["num_hidden_layers"]))
+        self.dcfg = family.new_config(head.config, d2t.numel(), aux_ids, tc)
         if tc.mode == "offline" and self.train_split.hidden_size != self.dcfg.target_hidden_size:
             raise InputError(f"features hidden_size {self.train_split.hidden_size} != target hidden_size "
                              f"{self.dcfg.target_hidden_size}: features from another model?")
@@ -923,21 +531,13 @@ class _Trainer:
                              f"{self.dcfg.target_vocab_size}")
         torch.manual_seed(self.seed)
         random.seed(self.seed)
-        self.drafter = Eagle3Drafter(self.dcfg)
-        self.drafter.init_from_target(head.embed, head.lm_head, d2t, freeze_embeddings=tc.freeze_embeddings)
-        if tc.freeze_lm_head:  # keep the target's own readout of the draft vocab (speculators does)
-            self.drafter.lm_head.weight.requires_grad_(False)
-        if tc.init_norm_from_target:  # the drafter's readout starts as the target's: norm, then lm_head
-            with torch.no_grad():
-                self.drafter.norm.weight.copy_(head.norm_weight.to(self.drafter.norm.weight))
-        if not torch.equal(self.drafter.t2d, vocab["t2d"].bool()):
-            raise InputError("build/vocab.safetensors: t2d does not match d2t")
+        self.drafter = family.new_drafter(self.dcfg, head, d2t, vocab["t2d"].bool(), tc)
         self.drafter.to(self.device)
         self.teacher = Teacher(head, d2t, final_prenorm=final_prenorm, device=self.device,
                                dtype=torch.bfloat16 if self.cuda else torch.float32)
         del head
 
-        self.module = TTTModule(self.drafter, tc.ttt_steps, tc.loss_decay)
+        self.module = family.objective(self.drafter, tc)
         if dist.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -947,7 +547,7 @@ class _Trainer:
             self.model = self.module
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.per_step = dist.world * tc.grad_accum  # micro-batches per optimizer step, all ranks
-        # CUDA graphs: the static unroll (no host sync), rows padded to graph_bucket, batches planned
+        # CUDA graphs: the static objective (no host sync), rows padded to graph_bucket, batches planned
         # with the padded lengths; one process only (DDP's hooks cannot be captured here).
         self.micro: GraphedMicroStep | None = None
         self.pad_to = 1
@@ -958,8 +558,8 @@ class _Trainer:
             else:
                 self.pad_to = tc.graph_bucket
                 self.micro = GraphedMicroStep(
-                    lambda b: ttt_forward_static(self.drafter, self.teacher, b, steps=tc.ttt_steps, decay=tc.loss_decay),
-                    self.params, self.device, loss_scale=1.0 / tc.grad_accum, use_graphs=self.cuda,
+                    family.static_objective(self.drafter, self.teacher, tc), self.params, self.device,
+                    loss_scale=1.0 / tc.grad_accum, use_graphs=self.cuda,
                     autocast=lambda: self.autocast(cache=False))  # no cast cache while a graph is captured
         # train.pack_rows: rows of several documents, one shape [batch_tokens / pack_rows, pack_rows]
         if tc.pack_rows is not None:
@@ -1094,7 +694,7 @@ class _Trainer:
             "loss": sum(self.tc.loss_decay ** k * (ce[k] / count[k] if count[k] else 0.0) for k in range(K)),
             "step_loss": [c / n if n else None for c, n in zip(ce, count)],
             "acc": per_acc,
-            "tau": simulated_tau(per_acc),
+            "tau": self.family.simulated_tau(per_acc),
             "positions": [int(n) for n in count],
         }
 
@@ -1307,16 +907,7 @@ class _Trainer:
                        "train_tokens": sum(self.train_split.lengths), "steps_per_epoch": self.steps_per_epoch,
                        "total_steps": self.total_steps, "world_size": self.dist.world},
             "warnings": self.warnings,
-            "conventions": {
-                "aux_layer_ids": self.dcfg.aux_layer_ids,
-                "aux_layer_convention": "input-to-layer (= HF hidden_states index)",
-                "final": "pre-norm; teacher = target lm_head(target norm(final)) restricted to the draft vocab",
-                "alignment": "step k, slot t: token x[t+1+k], position t+k, hidden fc(aux[t]) (k=0) or the "
-                             "drafter's step k-1 output; predicts x[t+2+k] (teacher from final[t+1+k])",
-                "ttt_attention": "step-0 keys causal within the document + the diagonal of steps 1..k",
-                "d2t": "target_id = i + d2t[i]",
-                "ttt_steps": self.tc.ttt_steps, "loss_decay": self.tc.loss_decay,
-            },
+            "conventions": self.family.conventions(self.dcfg, self.tc),
             "resumed_from": resumed_from,
             "checkpoints": [str(p) for _, p in list_checkpoints(self.dir)],
             "metrics": str(self.metrics_path),

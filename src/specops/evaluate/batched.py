@@ -6,7 +6,7 @@ kernel launches, so a full evaluation (MT-bench 80 x 2 turns, HumanEval, GSM8K, 
 ~1,000 turns) took ~1 s per turn with 8 processes sharing an H200. Here B rows advance together:
 
     rows        the target's static cache (fast_target.StaticTargetRunner, rows = B) and the
-                drafter's (fast_drafter.StaticDrafterRunner, rows = B), one sequence per row, each
+                drafter family's static runner (rows = B), one sequence per row, each
                 at its own length P_b. A row holds one conversation turn; when it ends (eos or
                 max_new_tokens) the row takes the conversation's next turn (with its own answer
                 in the history, as the batch-1 loop) or the next conversation (continuous batching).
@@ -40,8 +40,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..drafter.families import family_of
 from ..errors import ConfigError
-from .fast_drafter import StaticDrafterRunner
 from .fast_target import StaticTargetRunner, static_runner_problem
 
 log = logging.getLogger("specops.eval")
@@ -106,7 +106,8 @@ class BatchedLoop:
         self.drafter = drafter
         self.tr = StaticTargetRunner(target, drafter.config.aux_layer_ids, cuda_graphs=False,
                                      min_capacity=min_capacity, rows=self.B)
-        self.dr = StaticDrafterRunner(drafter, cuda_graphs=False, min_capacity=min_capacity, rows=self.B)
+        self.dr = family_of(drafter).drafter_runner(drafter, "static", cuda_graphs=False, rows=self.B,
+                                                    min_capacity=min_capacity)
         self.device = self.tr.device
         self._grow(1)
         B, k, dev = self.B, self.k, self.device
@@ -153,9 +154,7 @@ class BatchedLoop:
                                       generator=self.gen)[0]
         else:
             first = logits[0, -1].argmax(-1)
-        if n >= 2:  # the drafter's slots 0..n-2: token x_{t+1}, the target's state at t
-            d = self.drafter
-            self.dr._layer(ids[:, 1:], d.fuse(aux[:, : n - 1]), pos[:, : n - 1], n - 1, rows=row)
+        self.dr.prefill_row(b, ids, aux)  # the drafter over the prompt's target states
         self.P[b] = n
         self.P_dev[b] = n
         self.m[b] = 1
@@ -179,29 +178,14 @@ class BatchedLoop:
         kv_len = max(self.P) + k + 1
         self._grow(kv_len)
         P, m = self.P_dev, self.m
-        rows = self.tr.row_ids
         # draft: the pending slots at P-m..P-1 (k+1 per row, the first m real), then k drafts
-        pos = (P - m)[:, None] + self.ar[None]
-        h = self.dr._layer(self.pend_tok, d.fuse(self.pend_aux), pos, kv_len)[rows, m - 1]  # [B, H]
-        drafts, qs = [], []
-        for j in range(k):
-            logits = d.compute_logits(h).float()  # [B, Vd]
-            if self.temperature > 0:
-                qs.append(torch.softmax(logits / self.temperature, dim=-1))
-                t = torch.multinomial(qs[-1], 1, generator=self.gen)[:, 0]
-            else:
-                t = logits.argmax(-1)
-            drafts.append(d.draft_to_target(t))
-            if j == k - 1:
-                break
-            h = self.dr._layer(drafts[-1][:, None], h[:, None], (P + j)[:, None], kv_len)[:, 0]
-        dr = torch.stack(drafts, 1)  # [B, k]
+        dr, q = self.dr.draft_rows(self.pend_tok, self.pend_aux, P, m, k, kv_len, temperature=self.temperature,
+                                   gen=self.gen)  # [B, k], [B, k, Vd] or None
         # verify: [x_P, d_1..d_k] at P..P+k
         ids = torch.cat([self.last[:, None], dr], 1)
         tlogits, vaux = self.tr._impl(ids, P[:, None] + self.ar[None], kv_len, aux=True, last_only=False,
                                       causal=False)
-        a, nxt = accept_rows(dr, tlogits, torch.stack(qs, 1) if qs else None, d.d2t,
-                             temperature=self.temperature, gen=self.gen)
+        a, nxt = accept_rows(dr, tlogits, q, d.d2t, temperature=self.temperature, gen=self.gen)
         # the accepted drafts and the target's token become each row's pending slots
         padded = torch.cat([dr, dr[:, :1]], 1)
         self.pend_tok = torch.where(self.ar[None] < a[:, None], padded, nxt[:, None])

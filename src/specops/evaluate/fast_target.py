@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, InputError, SpecopsError
-from ..target.fastpath import _Layer, _layer_window, _rope, fast_path_problem
+from ..target.fastpath import _Layer, _layer_window, _rope, fast_path_problem, pow2_at_least
 from .loop import TargetRunner
 
 log = logging.getLogger("specops.eval")
@@ -75,13 +75,6 @@ class StaticKV:
 
     def get_seq_length(self) -> int:
         return self.length
-
-
-def _pow2_at_least(n: int, floor: int) -> int:
-    b = floor
-    while b < n:
-        b *= 2
-    return b
 
 
 class StaticTargetRunner:
@@ -140,7 +133,7 @@ class StaticTargetRunner:
         are copied into a grown buffer."""
         if needed <= self.capacity:
             return
-        cap = _pow2_at_least(needed, max(self.min_capacity, self.capacity, 1))
+        cap = pow2_at_least(needed, max(self.min_capacity, self.capacity, 1))
         if keep is None:
             keep = self._live.length if self._live is not None else 0
         shape = (len(self.layers), self.rows, self.n_kv, cap, self.head_dim)
@@ -286,7 +279,7 @@ class StaticTargetRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
     def _bucket(self, needed: int) -> int:
-        return min(_pow2_at_least(needed, MIN_BUCKET), self.capacity)
+        return min(pow2_at_least(needed, MIN_BUCKET), self.capacity)
 
     def _in_buffers(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Static inputs of the graphs for T tokens: (token ids [1, T], positions [1, T])."""

@@ -2,6 +2,8 @@
 
 Verbs, gpt-fast style: `prefill`, `draft`, `verify`, `accept`, `speculative_generate` (the loop),
 `target_generate` (the no-speculation baseline on the same cache machinery), and their results.
+`draft` is the drafter family's runner (`drafter/families/base.py` DrafterRunner; EAGLE-3's, the
+chain below, is `drafter/families/eagle3/drafting.py`).
 
 Bookkeeping (x_0..x_{n-1} the prompt; aux_t [3, H_t] the target's inputs to layers aux_layer_ids
 at position t; P = tokens in the target's KV cache; `last` = x_P, verified but not yet cached):
@@ -47,8 +49,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+from torch import nn
 
-from ..drafter.model import Eagle3Drafter
+from ..drafter.families import family_of
+from ..drafter.families.base import sample_token
 from ..errors import InputError, SpecopsError
 
 
@@ -126,37 +130,7 @@ class TargetRunner:
         return out.logits[0].float(), buf
 
 
-# ---------------------------------------------------------------- drafter KV cache
-
-
-class DrafterCache:
-    """The drafter's KV: k, v [1, nkv, S, head_dim] for positions 0..S-1 (k after RoPE)."""
-
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
-    def past(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [] if self.k is None else [(self.k, self.v)]
-
-    def append(self, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
-        k, v = kv
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-
-    def crop(self, length: int) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
-
-
 # ---------------------------------------------------------------- the verbs
-
-
-def sample_token(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
-    return torch.multinomial(probs, 1, generator=gen)[..., 0]
 
 
 def prefill(runner: TargetRunner, prompt: torch.Tensor, cache: Any, *, aux: bool
@@ -164,44 +138,6 @@ def prefill(runner: TargetRunner, prompt: torch.Tensor, cache: Any, *, aux: bool
     """prompt [1, n] -> (logits float32 [V] after x_{n-1}, aux [n, 3, H_t] or None)."""
     logits, states = runner.forward(prompt, cache, 0, aux=aux, last_only=True)
     return logits[-1], states
-
-
-@torch.no_grad()
-def draft(drafter: Eagle3Drafter, dcache: DrafterCache, tokens: torch.Tensor, aux: torch.Tensor, start: int,
-          k: int, *, temperature: float, gen: torch.Generator | None
-          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A chain of k drafts. tokens [1, m] (x_{t+1}), aux [1, m, 3, H_t] (aux_t) for t = start..start+m-1;
-    `dcache` holds positions 0..start-1 and is left holding 0..start+m-1.
-
-    Returns drafts as target ids, int64 [k], and at temperature > 0 the drafter's distributions
-    q over the draft vocab, float32 [k, Vd] (d_j was sampled from q[j-1])."""
-    m = tokens.shape[1]
-    dev = drafter.d2t.device
-    positions = torch.arange(start, start + m, device=dev)[None]
-    out = drafter(tokens.to(dev), drafter.fuse(aux.to(dev)), positions, past_kv=dcache.past(), return_logits=False)
-    dcache.append(out.kv)
-    hidden = out.hidden[:, -1:]  # [1, 1, H] pre-norm: the next draft's hidden input
-    logits = drafter.compute_logits(hidden[0, -1]).float()  # [Vd]
-    pos = start + m - 1
-    drafts, qs = [], []
-    for j in range(k):
-        if temperature > 0:
-            q = torch.softmax(logits / temperature, dim=-1)
-            d = sample_token(q, gen)
-            qs.append(q)
-        else:
-            d = logits.argmax(-1)
-        d = drafter.draft_to_target(d)  # target id = i + d2t[i]
-        drafts.append(d)
-        if j == k - 1:
-            break
-        pos += 1
-        out = drafter(d.view(1, 1), hidden, torch.tensor([[pos]], device=dev), past_kv=dcache.past())
-        dcache.append(out.kv)
-        hidden = out.hidden
-        logits = out.logits[0, -1].float()
-    dcache.crop(start + m)  # keep only what the target's states produced
-    return torch.stack(drafts), (torch.stack(qs) if qs else None)
 
 
 def verify(runner: TargetRunner, cache: Any, last: torch.Tensor, drafts: torch.Tensor, start: int
@@ -258,38 +194,6 @@ def accept(drafts: torch.Tensor, target_logits: torch.Tensor, q_draft: torch.Ten
     if float(residual.sum()) <= 0:  # p == q up to rounding: the rejection had probability ~0
         residual = p[a]
     return a, sample_token(residual / residual.sum(), gen)
-
-
-# ---------------------------------------------------------------- the reference drafter runner
-
-
-class EagerDrafterRunner:
-    """The drafter's own forward on a growing K/V (the reference runner; `draft`)."""
-
-    name = "eager"
-    use_graphs = False
-
-    def __init__(self, drafter: Eagle3Drafter):
-        self.drafter = drafter
-        self._new = DrafterCache
-        self.cache = DrafterCache()
-
-    def __len__(self) -> int:
-        return len(self.cache)
-
-    def reset(self, max_len: int) -> None:
-        self.cache = self._new()
-
-    @torch.no_grad()
-    def prefill(self, ids: torch.Tensor, fused: torch.Tensor) -> None:
-        n = ids.shape[1]
-        dev = self.drafter.d2t.device
-        out = self.drafter(ids.to(dev), fused.to(dev), torch.arange(n, device=dev)[None], return_logits=False)
-        self.cache.append(out.kv)
-
-    def draft(self, tokens: torch.Tensor, aux: torch.Tensor, start: int, k: int, *, temperature: float,
-              gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return draft(self.drafter, self.cache, tokens, aux, start, k, temperature=temperature, gen=gen)
 
 
 # ---------------------------------------------------------------- the loop
@@ -367,12 +271,13 @@ def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None)
 
 
 @torch.no_grad()
-def speculative_generate(runner: TargetRunner, drafter: Eagle3Drafter, prompt: Sequence[int] | torch.Tensor, *,
+def speculative_generate(runner: TargetRunner, drafter: nn.Module, prompt: Sequence[int] | torch.Tensor, *,
                          k: int, max_new_tokens: int, temperature: float = 0.0,
                          eos_ids: Iterable[int] = (), gen: torch.Generator | None = None,
                          drafter_runner: Any = None) -> SpecResult:
     """Generate up to max_new_tokens after `prompt` (ids, chat template already applied).
-    drafter_runner: a fast_drafter runner for `drafter` (default: the eager one)."""
+    drafter_runner: the drafting rule of `drafter`'s family (families.base.DrafterRunner; default:
+    its eager runner)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     dev = runner.device
@@ -390,15 +295,14 @@ def speculative_generate(runner: TargetRunner, drafter: Eagle3Drafter, prompt: S
     _sync(dev)
     t1 = time.perf_counter()
     res.prefill_s = t1 - t_start
-    # Drafter prefill: slots 0..n-2 (token x_{t+1}, hidden fc(aux_t), position t); slot n-1 is the
-    # first round's pending slot, whose token x_n the target just produced.
+    # Drafter prefill: the prompt and its target states (EAGLE-3: slots 0..n-2, token x_{t+1},
+    # hidden fc(aux_t), position t); slot n-1 is the first round's pending slot, whose token x_n
+    # the target just produced.
     if drafter_runner is None:
-        drafter_runner = EagerDrafterRunner(drafter)
+        drafter_runner = family_of(drafter).drafter_runner(drafter, "eager")
     dr = drafter_runner
     dr.reset(n + max_new_tokens + k + 1)
-    ddev = drafter.d2t.device
-    if n >= 2:
-        dr.prefill(ids[:, 1:], drafter.fuse(aux[None, : n - 1].to(ddev)))
+    dr.prefill(ids, aux[None])
     _sync(dev)
     res.drafter_prefill_s = time.perf_counter() - t1
     generated = [int(last)]

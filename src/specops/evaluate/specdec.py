@@ -54,7 +54,7 @@ import torch
 
 from ..campaign import Campaign, RunLock, atomic_write_json, now_iso
 from ..config import Config, DatasetSection, parse_eval_dataset
-from ..drafter.model import Eagle3Drafter
+from ..drafter.families import family_of
 from ..errors import ConfigError, EvalWorkerFailed, InputError, Interrupted, SpecopsError
 from ..progress import ROUTINE, current, phase_progress
 from .loop import SpecResult, finish_tokens, speculative_generate, target_generate
@@ -149,27 +149,24 @@ def speedup_by_k(hist: list[int], c: float | None, verify_over_decode: float | N
 
 
 def load_eval_drafter(path: str | os.PathLike[str], target: Any, device: torch.device | None = None
-                      ) -> Eagle3Drafter:
-    """A training checkpoint (drafter_config.json) or an export dir (config.json, vLLM or speculators
-    format), checked against the target; an export without embed_tokens gets the target's embedding."""
+                      ) -> torch.nn.Module:
+    """A training checkpoint (drafter_config.json) or an export dir (config.json, in a format of a
+    drafter family), checked against the target; an export without embed_tokens gets the target's
+    embedding."""
     from ..drafter.checkpoint import load_drafter
-    from ..drafter.formats import drafter_config_from_export, load_exported
+    from ..drafter.families import open_export
+    from ..drafter.formats import ExportError
 
     p = Path(path)
     device = device or torch.device(target.device)
     if (p / "drafter_config.json").is_file():
         drafter = load_drafter(p)
     elif (p / "config.json").is_file():
-        sd, config = load_exported(p)
-        dcfg = drafter_config_from_export(config, target.num_hidden_layers)
-        drafter = Eagle3Drafter(dcfg)
-        sd = dict(sd)
-        if "embed_tokens.weight" not in sd:  # engines share the target's embedding; so do we
-            sd["embed_tokens.weight"] = target.embed_tokens.weight.detach().float().cpu()
-        missing, unexpected = drafter.load_state_dict(sd, strict=False)
-        if missing or unexpected:
-            raise InputError(f"{p}: drafter weights do not match its config: missing {missing}, "
-                             f"unexpected {unexpected}")
+        report, _, _ = open_export(p)
+        if report.family is None:
+            raise ExportError(f"{p}: " + "; ".join(f"[{r.name}] {r.message}" for r in report.problems))
+        drafter = report.family.drafter_from_export(p, target_num_hidden_layers=target.num_hidden_layers,
+                                                    target_embed=target.embed_tokens.weight)
     else:
         raise InputError(f"{p}: neither a training checkpoint (drafter_config.json) nor an export (config.json)")
     c = drafter.config
@@ -441,9 +438,8 @@ class _Evaluator:
 
         self.runner = make_target_runner(target, self.drafter.config.aux_layer_ids, ec.target_runner,
                                          cuda_graphs=ec.cuda_graphs)
-        from .fast_drafter import make_drafter_runner
-
-        self.drunner = make_drafter_runner(self.drafter, ec.drafter_runner, cuda_graphs=ec.cuda_graphs)
+        self.drunner = family_of(self.drafter).drafter_runner(self.drafter, ec.drafter_runner,
+                                                              cuda_graphs=ec.cuda_graphs)
 
     def info(self) -> dict[str, Any]:
         from .fast_target import runner_info

@@ -88,7 +88,7 @@ def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
     L = 3: [0, 1, 2]. The engines' formula repeats an id there (L = 6 gives [2, 3, 3]), and vLLM's
     hidden-state capture fails on repeated ids, so small stacks get three distinct ids. They start at
     2 where the stack allows it: SGLang's DeepSeek-family models cannot be given a first id of 1
-    (drafter/export.py, "Layer ids"). At L = 4 the last id is 4, the last layer's output.
+    (drafter/families/eagle3/export.py, "Layer ids"). At L = 4 the last id is 4, the last layer's output.
     """
     L = int(num_hidden_layers)
     if L >= 7:

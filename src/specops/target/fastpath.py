@@ -1,5 +1,6 @@
 """The static-cache forward of Llama-family targets, shared by generate's local engine
-(generate/local.py FastDecoder) and the evaluator's static target runner (evaluate/fast_target.py).
+(generate/local.py FastDecoder) and the evaluator's static target runner (evaluate/fast_target.py);
+the power-of-two sizing of static caches, which drafters' static runners share.
 
 Both run the target's own modules (norms, projections, MLP) in a hand-written decoder loop over a
 preallocated KV cache, with one RoPE table for every position. `fast_path_problem` says why a model
@@ -15,6 +16,15 @@ import torch
 FAST_PATH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE types whose cos/sin at a position do not depend on the sequence length (so one table serves).
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def pow2_at_least(n: int, floor: int) -> int:
+    """The smallest floor * 2^i >= n: static caches grow and attend in powers of two, so a run
+    meets a few shapes (CUDA graphs, compiled kernels) however its lengths vary."""
+    b = floor
+    while b < n:
+        b *= 2
+    return b
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

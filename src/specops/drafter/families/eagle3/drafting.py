@@ -1,19 +1,28 @@
-"""The drafter of the eval loop on a preallocated KV cache, its greedy chain replayed as one CUDA graph.
+"""The EAGLE-3 drafting rule in the eval loop: a chain of k drafter steps after the pending slots,
+on a growing K/V (the reference) or a preallocated one whose greedy chain replays as one CUDA graph.
 
-Two drafter runners share one interface, used by `loop.speculative_generate`:
+Two drafter runners share one interface (`families.base.DrafterRunner`), used by
+`evaluate/loop.py` `speculative_generate`:
 
     reset(max_len)          an empty cache sized for max_len positions
-    prefill(ids, fused)     positions 0..n-1: ids [1, n] (x_1..x_n), fused hidden [1, n, H]
+    prefill(ids, aux)       the prompt ids [1, n] (x_0..x_{n-1}) and its target states aux [1, n, 3, H_t]:
+                            drafter slots t = 0..n-2 (token x_{t+1}, hidden fc(aux_t), position t)
     draft(tokens, aux, start, k, temperature, gen)
                             the pending slots (tokens [1, m], aux [1, m, 3, H_t]) at start..start+m-1,
                             then k drafts: -> (target ids int64 [k], q [k, Vd] float32 or None);
                             afterwards the cache holds positions 0..start+m-1
     len(runner)             positions held
 
+`draft` is the chain (evaluate/loop.py's module docstring has the bookkeeping): one drafter call
+over the m pending slots, whose last output predicts d_1; draft j >= 2 feeds d_{j-1} with the
+previous call's pre-norm output at the next position (training's step j-1). The positions made
+from the drafter's own hidden states are dropped afterwards and recomputed next round from the
+target's (as vLLM's eagle proposer reruns the drafter over the accepted tokens).
+
 `EagerDrafterRunner` (eval.drafter_runner = "eager") is the reference: the drafter's own forward
-with a growing K/V (loop.DrafterCache). `StaticDrafterRunner` ("static") keeps K/V in one
-buffer [rows, kv_heads, capacity, head_dim] (rows = 1; evaluate/batched.py: a sequence per row),
-capacity a power of two (grown, prefix copied). Every call attends over keys 0..bucket-1 (bucket:
+with a growing K/V (`DrafterCache`). `StaticDrafterRunner` ("static") keeps K/V in one buffer
+[rows, kv_heads, capacity, head_dim] (rows = 1; evaluate/batched.py: a sequence per row, through
+`prefill_row` and `draft_rows`), capacity a power of two (grown, prefix copied). Every call attends over keys 0..bucket-1 (bucket:
 the next power of two >= the last position + 1, from 256) with keys past each query's position
 masked, so the shapes depend on (m, bucket) only. Draft
 positions past start+m-1 are written into the buffer and left there: every later call writes a
@@ -41,17 +50,113 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from ..drafter.model import _MASKED_BACKENDS, Eagle3Drafter, _rotate_half
-from ..errors import ConfigError, SpecopsError
-from .fast_target import _pow2_at_least
-from .loop import EagerDrafterRunner, sample_token
+from ....errors import ConfigError, SpecopsError
+from ....target.fastpath import pow2_at_least
+from ...model import _MASKED_BACKENDS, Eagle3Drafter, _rotate_half
+from ..base import sample_token
 
 log = logging.getLogger("specops.eval")
 
-__all__ = ["DRAFTER_RUNNERS", "EagerDrafterRunner", "StaticDrafterRunner", "make_drafter_runner"]
+__all__ = ["DRAFTER_RUNNERS", "DrafterCache", "draft", "EagerDrafterRunner", "StaticDrafterRunner",
+           "make_drafter_runner"]
 
 DRAFTER_RUNNERS = ("auto", "eager", "static")
 MIN_BUCKET = 256
+
+
+class DrafterCache:
+    """The drafter's KV: k, v [1, nkv, S, head_dim] for positions 0..S-1 (k after RoPE)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def past(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [] if self.k is None else [(self.k, self.v)]
+
+    def append(self, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        k, v = kv
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+@torch.no_grad()
+def draft(drafter: Eagle3Drafter, dcache: DrafterCache, tokens: torch.Tensor, aux: torch.Tensor, start: int,
+          k: int, *, temperature: float, gen: torch.Generator | None
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chain of k drafts. tokens [1, m] (x_{t+1}), aux [1, m, 3, H_t] (aux_t) for t = start..start+m-1;
+    `dcache` holds positions 0..start-1 and is left holding 0..start+m-1.
+
+    Returns drafts as target ids, int64 [k], and at temperature > 0 the drafter's distributions
+    q over the draft vocab, float32 [k, Vd] (d_j was sampled from q[j-1])."""
+    m = tokens.shape[1]
+    dev = drafter.d2t.device
+    positions = torch.arange(start, start + m, device=dev)[None]
+    out = drafter(tokens.to(dev), drafter.fuse(aux.to(dev)), positions, past_kv=dcache.past(), return_logits=False)
+    dcache.append(out.kv)
+    hidden = out.hidden[:, -1:]  # [1, 1, H] pre-norm: the next draft's hidden input
+    logits = drafter.compute_logits(hidden[0, -1]).float()  # [Vd]
+    pos = start + m - 1
+    drafts, qs = [], []
+    for j in range(k):
+        if temperature > 0:
+            q = torch.softmax(logits / temperature, dim=-1)
+            d = sample_token(q, gen)
+            qs.append(q)
+        else:
+            d = logits.argmax(-1)
+        d = drafter.draft_to_target(d)  # target id = i + d2t[i]
+        drafts.append(d)
+        if j == k - 1:
+            break
+        pos += 1
+        out = drafter(d.view(1, 1), hidden, torch.tensor([[pos]], device=dev), past_kv=dcache.past())
+        dcache.append(out.kv)
+        hidden = out.hidden
+        logits = out.logits[0, -1].float()
+    dcache.crop(start + m)  # keep only what the target's states produced
+    return torch.stack(drafts), (torch.stack(qs) if qs else None)
+
+
+class EagerDrafterRunner:
+    """The drafter's own forward on a growing K/V (the reference runner; `draft`)."""
+
+    name = "eager"
+    use_graphs = False
+
+    def __init__(self, drafter: Eagle3Drafter):
+        self.drafter = drafter
+        self._new = DrafterCache
+        self.cache = DrafterCache()
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def reset(self, max_len: int) -> None:
+        self.cache = self._new()
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, aux: torch.Tensor) -> None:
+        n = ids.shape[1] - 1  # slots 0..n-1: token x_{t+1}, the target's state at t
+        if n < 1:
+            return
+        dev = self.drafter.d2t.device
+        fused = self.drafter.fuse(aux[:, :n].to(dev))
+        out = self.drafter(ids[:, 1:].to(dev), fused, torch.arange(n, device=dev)[None], return_logits=False)
+        self.cache.append(out.kv)
+
+    def draft(self, tokens: torch.Tensor, aux: torch.Tensor, start: int, k: int, *, temperature: float,
+              gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return draft(self.drafter, self.cache, tokens, aux, start, k, temperature=temperature, gen=gen)
+
+
 
 
 class StaticDrafterRunner:
@@ -89,7 +194,7 @@ class StaticDrafterRunner:
         copied into a grown buffer."""
         if needed <= self.capacity:
             return
-        cap = _pow2_at_least(needed, max(self.min_capacity, self.capacity, 1))
+        cap = pow2_at_least(needed, max(self.min_capacity, self.capacity, 1))
         keep = self.length if keep is None else keep
         with torch.inference_mode(False), torch.no_grad():
             k = torch.zeros(self.rows, self.nkv, cap, self.hd, device=self.device, dtype=self.dtype)
@@ -107,7 +212,7 @@ class StaticDrafterRunner:
         self._ensure_capacity(max(int(max_len), 1))
 
     def _bucket(self, needed: int) -> int:
-        return min(_pow2_at_least(needed, MIN_BUCKET), self.capacity)
+        return min(pow2_at_least(needed, MIN_BUCKET), self.capacity)
 
     # ------------------------------------------------------------------ the math
     def _layer(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, kv_len: int,
@@ -179,10 +284,13 @@ class StaticDrafterRunner:
 
     # ------------------------------------------------------------------ the verbs
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor, fused: torch.Tensor) -> None:
-        n = ids.shape[1]
+    def prefill(self, ids: torch.Tensor, aux: torch.Tensor) -> None:
+        n = ids.shape[1] - 1  # slots 0..n-1: token x_{t+1}, the target's state at t
+        if n < 1:
+            return
         self._ensure_capacity(n)
-        self._layer(ids.to(self.device), fused.to(self.device), self.arange[:n][None], self._bucket(n))
+        fused = self.drafter.fuse(aux[:, :n].to(self.device))
+        self._layer(ids[:, 1:].to(self.device), fused, self.arange[:n][None], self._bucket(n))
         self.length = n
 
     @torch.no_grad()
@@ -201,6 +309,39 @@ class StaticDrafterRunner:
             drafts, q = self._chain(tok, aux, torch.tensor(start, device=self.device), k, kv_len, temperature, gen)
         self.length = start + m
         return drafts, q
+
+    # ------------------------------------------------------------------ rows > 1 (evaluate/batched.py)
+    @torch.no_grad()
+    def prefill_row(self, row: int, ids: torch.Tensor, aux: torch.Tensor) -> None:
+        """`prefill` into row `row` alone (ids [1, n], aux [1, n, 3, H_t]); the other rows are untouched."""
+        n = ids.shape[1] - 1
+        if n >= 1:
+            self._layer(ids[:, 1:], self.drafter.fuse(aux[:, :n]), self.arange[:n][None], n, rows=slice(row, row + 1))
+
+    @torch.no_grad()
+    def draft_rows(self, tokens: torch.Tensor, aux: torch.Tensor, P: torch.Tensor, m: torch.Tensor, k: int,
+                   kv_len: int, *, temperature: float, gen: torch.Generator | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`draft` for every row at once: row b's pending slots are the first m[b] of tokens [B, S] /
+        aux [B, S, 3, H_t] at positions P[b]-m[b].. (the other S - m[b] write K/V at positions >= P[b],
+        which the chain's own steps overwrite before any query reads them); k drafts after slot
+        m[b]-1, keys 0..kv_len-1 -> (target ids [B, k], q [B, k, Vd] or None)."""
+        d = self.drafter
+        pos = (P - m)[:, None] + self.arange[: tokens.shape[1]][None]
+        h = self._layer(tokens, d.fuse(aux), pos, kv_len)[self.row_ids, m - 1]  # [B, H]
+        drafts, qs = [], []
+        for j in range(k):
+            logits = d.compute_logits(h).float()  # [B, Vd]
+            if temperature > 0:
+                qs.append(torch.softmax(logits / temperature, dim=-1))
+                t = sample_token(qs[-1], gen)
+            else:
+                t = logits.argmax(-1)
+            drafts.append(d.draft_to_target(t))
+            if j == k - 1:
+                break
+            h = self._layer(drafts[-1][:, None], h[:, None], (P + j)[:, None], kv_len)[:, 0]
+        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _in_buffers(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
