@@ -46,7 +46,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 
-from specops.drafter.export import check_export, export_vllm  # noqa: E402
+from specops.drafter.export import check_export  # noqa: E402
+from specops.drafter.families.eagle3.export import export_vllm  # noqa: E402
 from specops.drafter.model import rope_from_hf  # noqa: E402
 
 ALLOWED_EXTRA = ("embed_tokens.weight",)

@@ -14,7 +14,6 @@ from typing import Any, Mapping
 
 from .families import family_of, open_export
 from .families.base import CheckReport
-from .families.eagle3.export import export_vllm  # noqa: F401 - bench/quality/speculators_to_eval.py imports it here
 from .formats import ExportError
 
 __all__ = ["ExportError", "CheckReport", "check_export", "run_export"]
