@@ -24,6 +24,7 @@ def run_bench(*args: str, timeout: float = 240) -> dict:
     return json.loads(p.stdout[p.stdout.index("{"):])
 
 
+@pytest.mark.full  # the default suite runs two extract processes in tests/test_extract.py (torchrun, the same store)
 def test_extract_two_processes_store_what_one_does(tmp_path):
     out = tmp_path / "extract.json"
     r = run_bench("extract", "--tiny", "--samples", "12", "--min-len", "8", "--max-len", "64", "--token-budget", "256",
@@ -49,6 +50,7 @@ def test_train_ddp_follows_one_process_at_the_same_global_batch(tmp_path):
     assert r["global_batch_tokens"] == 256 and r["ratio_vs_one_eager"] > 0
 
 
+@pytest.mark.full
 def test_feature_comparison_names_missing_samples(tmp_path):
     spec = importlib.util.spec_from_file_location("multi_gpu", BENCH)
     mod = importlib.util.module_from_spec(spec)

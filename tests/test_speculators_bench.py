@@ -305,6 +305,7 @@ needs_speculators = pytest.mark.skipif(
 
 
 @needs_speculators
+@pytest.mark.full  # the anchor's trainer runs end to end in the default suite (test_speculators_trainer_end_to_end_cpu)
 def test_speculators_warm_up_trains_on_synthetic_features(tmp_path, monkeypatch):
     """The compile warm-up: synthetic data in the converter's layout, one short epoch of the anchor's
     trainer, warm.json with the time to its first step."""
