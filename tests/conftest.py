@@ -22,7 +22,7 @@ def repo() -> Path:
     return REPO
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # session: module fixtures that start servers need it too
 def shared_data() -> Path:
     if not (SHARED_DATA / "spec_bench" / "question.jsonl").is_file():
         pytest.fail(f"shared data not found at {SHARED_DATA} (set SPECOPS_DATA_DIR)")

@@ -96,13 +96,17 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
                          loop_tau=taus, k=k)
 
 
-def write_checkpoint(drafter, out: Path) -> Path:
-    """A training-checkpoint directory (drafter_config.json + model.safetensors), as train writes."""
+def write_checkpoint(drafter, out: Path, *, aux_layer_ids=None) -> Path:
+    """A training-checkpoint directory (drafter_config.json + model.safetensors), as train writes;
+    `aux_layer_ids` overrides the ids its config names (a reference the served drafter is not)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(out / "model.safetensors"))
-    (out / "drafter_config.json").write_text(json.dumps(drafter.config.to_dict()))
+    config = drafter.config.to_dict()
+    if aux_layer_ids is not None:
+        config["aux_layer_ids"] = list(aux_layer_ids)
+    (out / "drafter_config.json").write_text(json.dumps(config))
     return out
 
 

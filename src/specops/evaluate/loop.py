@@ -156,7 +156,9 @@ def accept(drafts: torch.Tensor, target_logits: torch.Tensor, q_draft: torch.Ten
 
     drafts int64 [k] (target ids d_1..d_k); target_logits [k+1, V], row j the target's next-token
     logits after [last, d_1..d_j]; q_draft [k, Vd] (row j: the drafter's distribution d_{j+1} was
-    sampled from) and d2t [Vd], both at T > 0 only. Draft d_{j+1} is judged against row j.
+    sampled from) and d2t [Vd], at T > 0 only; q_draft None at T > 0: the drafts were taken
+    greedily (argmax of the drafter), q is one-hot at each draft. Draft d_{j+1} is judged against
+    row j.
 
     T = 0 (greedy): accept the longest prefix with d_{j+1} == argmax row j; then the argmax of
     row a (the correction at the first mismatch, or the bonus token when all k match). The output
@@ -170,6 +172,11 @@ def accept(drafts: torch.Tensor, target_logits: torch.Tensor, q_draft: torch.Ten
         P(x) = q(x)·min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y)))·r(x)
              = min(p(x), q(x)) + max(0, p(x) - q(x)) = p(x)
     (the rejection mass 1 - sum min(p, q) equals sum max(0, p - q), r's normaliser).
+    With greedy drafts (q one-hot at d) the same rule reads: accept d with probability p_j(d), and
+    at a rejection sample from p_a with d_{a+1} removed. This is vLLM v1's rejection sampler with
+    draft_probs None (its default draft_sample_method "greedy", the EAGLE proposers' argmax drafts):
+    the output is still distributed as p, but the acceptance differs from sampled drafts'
+    (E[accept] = p(argmax q) against sum_x min(p(x), q(x))).
     """
     k = drafts.numel()
     drafts = drafts.to(target_logits.device)
@@ -177,13 +184,23 @@ def accept(drafts: torch.Tensor, target_logits: torch.Tensor, q_draft: torch.Ten
         best = target_logits.argmax(-1)  # [k+1]
         a = int((drafts == best[:k]).long().cumprod(0).sum())  # sync point
         return a, best[a]
-    assert q_draft is not None and d2t is not None
     p = torch.softmax(target_logits / temperature, dim=-1)  # [k+1, V]
+    rows = torch.arange(k, device=p.device)
+    if q_draft is None:  # greedy drafts: q one-hot, min(1, p/q) = p(d), residual = p without d
+        u = torch.rand(k, generator=gen, device=gen.device if gen is not None else p.device).to(p.device)
+        a = int((u < p[rows, drafts]).long().cumprod(0).sum())  # sync point
+        if a == k:
+            return k, sample_token(p[k], gen)
+        residual = p[a].clone()
+        residual[drafts[a]] = 0
+        if float(residual.sum()) <= 0:  # p is one-hot at the draft: the rejection had probability 0
+            residual = p[a]
+        return a, sample_token(residual / residual.sum(), gen)
+    assert d2t is not None
     V = p.shape[-1]
     q = torch.zeros(k, V, dtype=p.dtype, device=p.device)  # q in the target vocab: 0 outside the draft vocab
     ids = (torch.arange(d2t.numel(), device=d2t.device) + d2t).to(p.device)
     q[:, ids] = q_draft.to(p.device, p.dtype)
-    rows = torch.arange(k, device=p.device)
     p_d, q_d = p[rows, drafts], q[rows, drafts]  # q_d > 0: d was sampled from q
     u = torch.rand(k, generator=gen, device=gen.device if gen is not None else p.device).to(p.device)
     ok = u < p_d / q_d  # u ~ U[0, 1): P(ok) = min(1, p/q)
@@ -274,12 +291,17 @@ def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None)
 def speculative_generate(runner: TargetRunner, drafter: nn.Module, prompt: Sequence[int] | torch.Tensor, *,
                          k: int, max_new_tokens: int, temperature: float = 0.0,
                          eos_ids: Iterable[int] = (), gen: torch.Generator | None = None,
-                         drafter_runner: Any = None) -> SpecResult:
+                         drafter_runner: Any = None, draft_sample: str = "sample") -> SpecResult:
     """Generate up to max_new_tokens after `prompt` (ids, chat template already applied).
     drafter_runner: the drafting rule of `drafter`'s family (families.base.DrafterRunner; default:
-    its eager runner)."""
+    its eager runner). draft_sample (T > 0 only): "sample" draws each draft from the drafter's
+    distribution and accepts min(1, p/q); "greedy" takes the drafter's argmax and accepts with p(d),
+    as vLLM does by default (`accept`)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    if draft_sample not in ("sample", "greedy"):
+        raise ValueError(f"draft_sample must be 'sample' or 'greedy', got {draft_sample!r}")
+    draft_t = 0.0 if draft_sample == "greedy" else temperature  # 0: argmax drafts, no q
     dev = runner.device
     eos = frozenset(int(e) for e in eos_ids)
     ids = torch.as_tensor(list(prompt) if not torch.is_tensor(prompt) else prompt, dtype=torch.long).view(1, -1).to(dev)
@@ -313,7 +335,7 @@ def speculative_generate(runner: TargetRunner, drafter: nn.Module, prompt: Seque
         m = pend_tok.shape[1]
         assert len(dr) == P - m and cache.get_seq_length() == P, (len(dr), P, m)
         t0 = time.perf_counter()
-        drafts, q = dr.draft(pend_tok, pend_aux, P - m, k, temperature=temperature, gen=gen)
+        drafts, q = dr.draft(pend_tok, pend_aux, P - m, k, temperature=draft_t, gen=gen)
         _sync(dev)
         t1 = time.perf_counter()
         logits, vaux = verify(runner, cache, last, drafts, P)  # [k+1, V], [k+1, 3, H_t]

@@ -122,7 +122,9 @@ def brief(result: dict[str, Any]) -> dict[str, Any]:
             "tau_t0": result.get("tau_t0"), "tau_t1": result.get("tau_t1"),
             "per_position_t0": result.get("per_position_t0"), "speedup": result.get("speedup"),
             "interop": ({"ok": it.get("ok"), "line": it.get("line"), "tau_loop": it.get("tau_loop"),
-                         "tau_served": it.get("tau_served"), "tolerance": it.get("tolerance")} if it else None)}
+                         "tau_served": it.get("tau_served"), "tolerance": it.get("tolerance"),
+                         "t1": ({key: it["t1"].get(key) for key in ("ok", "tau_served", "tau_loop", "tolerance")}
+                                if it.get("t1") else None)} if it else None)}
 
 
 # ---------------------------------------------------------------- SVG charts

