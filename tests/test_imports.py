@@ -26,7 +26,9 @@ PHASES = {
     "eval": "specops.evaluate",
 }
 # Who may import a phase: the orchestration layer above all phases.
-ORCHESTRATION = {"specops.cli", "specops.pipeline", "specops.__main__", "specops.runctl", "specops.status", "specops.serve"}
+# report_cli is the CLI's printing half (the verdict line of `run` comes from evaluate.report).
+ORCHESTRATION = {"specops.cli", "specops.report_cli", "specops.pipeline", "specops.__main__", "specops.runctl",
+                 "specops.status", "specops.serve"}
 
 
 def module_names(src: Path) -> dict[str, Path]:
