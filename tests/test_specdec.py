@@ -363,6 +363,7 @@ def test_accept_greedy_rule():
     assert (a, int(tok)) == (0, 5)
 
 
+@pytest.mark.full  # the default suite checks the rule's distribution (test_accept_rule_reproduces_p_...)
 def test_sampling_matches_target_distribution(tmp_path):
     """vocab 16, 2000 three-token continuations by speculative sampling (k = 2, T = 1) and by plain
     target sampling, each against the exact distribution enumerated from the target: token 1,
@@ -663,6 +664,7 @@ def test_eval_without_baseline_same_tau_half_the_work(tmp_path, chat_target, eva
     assert s["overall"]["identical_to_baseline"] is None and s["overall"]["baseline_step_ms"] is None
 
 
+@pytest.mark.full  # two workers at T = 0 in the default suite (test_eval_two_workers_greedy_same_results_as_one)
 def test_eval_two_workers_sampling_same_results_as_one(tmp_path, chat_target, eval_drafter):
     """T > 0: each turn's sampler is seeded from eval.seed and the conversation's global index, so
     which process ran a conversation does not matter; another seed gives other samples."""
