@@ -9,19 +9,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from .progress import fmt_duration as duration  # 7s, 12m05s, 3h02m
+
 
 def _fmt(x, spec: str = ",") -> str:
     return "-" if x is None else format(x, spec)
-
-
-def duration(seconds: float) -> str:
-    """7s, 12m05s, 3h02m."""
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _plural(n: int, word: str) -> str:
