@@ -16,6 +16,25 @@ PYTHON = sys.executable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# Under pytest-xdist (scripts/test.sh runs the default suite on 2 processes) each process computes on
+# one intra-op thread: two processes of two busy-waiting threads each on 2 cores spin more than they
+# compute. Subprocesses the tests start keep their own defaults.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
+
+# Test files that start vLLM servers or fit drafters, longest first: collected first, so that with
+# `--dist loadfile --no-loadscope-reorder` they start at once on separate processes and the short
+# files fill in behind them instead of one long file ending the run alone.
+FIRST = ("test_serve_drafter.py", "test_served_extract.py", "test_served_mla.py", "test_vllm_real.py",
+         "test_vllm_cpu_fixes.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: file order kept otherwise
+
 
 @pytest.fixture
 def repo() -> Path:

@@ -3,9 +3,9 @@ engine's `extract_hidden_states` through specops' connector (target/vllm_plugin)
 in-process path, the shifted-ids control, and SIGKILL mid-run then resume with every sample once
 and no request for a sample already written.
 
-Two servers for the module, data-parallel replicas sharing one file directory (`specops serve
---features --detach`, started together, ~60 s); the build holds random SmolLM2 token ids (the
-features of any ids must agree)."""
+One server for the module's default tests (`specops serve --features --detach`, ~35 s on 2 cores);
+the full suite adds a second, data-parallel replica sharing the same file directory, and extract
+round-robins over both. The build holds random SmolLM2 token ids (the features of any ids must agree)."""
 
 from __future__ import annotations
 
@@ -61,35 +61,47 @@ def campaign(root: Path, port: int, served_dir: Path, *, mode: str = "served", u
     return cfg
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory, vllm_python):
-    """(urls, served_dir): two vLLM replicas (data parallel, one shared directory) serving SmolLM2's
-    features for AUX, started together by `specops serve --features`."""
-    root = tmp_path_factory.mktemp("served-extract")
-    served_dir = root / "hidden-states"
+def start_replicas(root: Path, served_dir: Path, vllm_python: str, names: tuple[str, ...]) -> list[tuple[str, int]]:
+    """`specops serve --features --detach` for one campaign per name, started together, sharing
+    served_dir -> [(config path, port)]; each config's server is up when this returns."""
     cfgs = []
-    for name in ("a", "b"):
+    for name in names:
         port = free_port()
         cfg = campaign(root / name, port, served_dir)
         Path(cfg).write_text(Path(cfg).read_text().replace('[serve]\n', f'[serve]\npython = "{vllm_python}"\n'))
         cfgs.append((cfg, port))
     procs = [subprocess.Popen([*CLI, "serve", str(cfg), "--features", "--detach"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for cfg, _ in cfgs]
+    for (cfg, port), proc in zip(cfgs, procs):
+        out, err = proc.communicate(timeout=600)
+        assert "ready in" in out, out + err[-4000:]
+        assert f"features: layers {AUX} + 30 (the final state), files in {served_dir}" in err
+    return cfgs
+
+
+def stop_replicas(cfgs: list[tuple[str, int]]) -> None:
+    for cfg, _ in cfgs:
+        subprocess.run([*CLI, "serve", str(cfg), "--stop"], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, vllm_python):
+    """(urls, served_dir, root): one vLLM server of SmolLM2's features for AUX, started by
+    `specops serve --features`; the full suite's replica test adds a second beside it."""
+    root = tmp_path_factory.mktemp("served-extract")
+    served_dir = root / "hidden-states"
+    cfgs = []
     try:
-        for (cfg, port), proc in zip(cfgs, procs):
-            out, err = proc.communicate(timeout=600)
-            assert "ready in" in out, out + err[-4000:]
-            assert f"features: layers {AUX} + 30 (the final state), files in {served_dir}" in err
+        cfgs = start_replicas(root, served_dir, vllm_python, ("a",))
         record = json.loads((root / "a" / "run" / f"serve-{cfgs[0][1]}.json").read_text())
         spec = json.loads(record["argv"][record["argv"].index("--speculative-config") + 1])
         assert spec["method"] == "extract_hidden_states"
         assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [*AUX, 30]
         kv = json.loads(record["argv"][record["argv"].index("--kv-transfer-config") + 1])
         assert kv["kv_connector_module_path"] == "specops_hidden_states"
-        yield [f"http://127.0.0.1:{port}/v1" for _, port in cfgs], served_dir
+        yield [f"http://127.0.0.1:{port}/v1" for _, port in cfgs], served_dir, root
     finally:
-        for cfg, _ in cfgs:
-            subprocess.run([*CLI, "serve", str(cfg), "--stop"], capture_output=True, text=True, timeout=120)
+        stop_replicas(cfgs)
 
 
 def completed_requests(url: str) -> float:
@@ -98,7 +110,7 @@ def completed_requests(url: str) -> float:
 
 
 def test_served_extract_equals_in_process_and_the_shifted_ids_do_not(servers, tmp_path, capsys):
-    urls, served_dir = servers
+    urls, served_dir, _ = servers
     served = campaign(tmp_path / "served", 8000, served_dir, urls=urls)
     local = campaign(tmp_path / "local", 8000, served_dir, mode="offline")
     cfg_s, cfg_l = load_config(served), load_config(local)
@@ -106,8 +118,7 @@ def test_served_extract_equals_in_process_and_the_shifted_ids_do_not(servers, tm
     before = [completed_requests(u) for u in urls]
     s = run_extract(cfg_s, Campaign(cfg_s.campaign_dir()))
     per_server = [completed_requests(u) - b for u, b in zip(urls, before)]
-    # round-robin over the replicas: every sample requested once, each replica about half
-    assert sum(per_server) == sum(map(len, LENGTHS.values())) and min(per_server) >= 5, per_server
+    assert sum(per_server) == sum(map(len, LENGTHS.values())), per_server  # every sample requested once
     run_extract(cfg_l, Campaign(cfg_l.campaign_dir()))
     assert s["splits"]["train"]["tokens_written"] == sum(LENGTHS["train"])
     index = json.loads((tmp_path / "served" / "features" / "train" / "index.json").read_text())
@@ -131,7 +142,7 @@ def test_served_extract_equals_in_process_and_the_shifted_ids_do_not(servers, tm
 
 
 def test_sigkill_mid_served_extract_then_resume_writes_every_sample_once(servers, tmp_path):
-    urls, served_dir = servers
+    urls, served_dir, _ = servers
     lengths = {"train": [40 + 7 * i for i in range(36)], "val": [30, 60]}
     cfg = campaign(tmp_path / "kill", 8000, served_dir, urls=urls, shard_tokens=200, lengths=lengths)
     out = tmp_path / "kill" / "features" / "train"
@@ -158,3 +169,27 @@ def test_sigkill_mid_served_extract_then_resume_writes_every_sample_once(servers
     counted = [si for sh in index["shards"] for si in read_shard(out / sh["name"])["sample_index"].tolist()]
     assert sorted(counted) == list(range(len(lengths["train"])))
     assert all(len(feats[i]["input_ids"]) == n for i, n in enumerate(lengths["train"]))
+
+
+@pytest.mark.full
+def test_two_replicas_share_the_requests_and_the_directory(servers, tmp_path, vllm_python):
+    """A second data-parallel replica beside the module's server, writing into the same directory:
+    extract round-robins over both (every sample requested once, each replica about half) and the
+    features equal the in-process ones."""
+    urls, served_dir, root = servers
+    more = start_replicas(root, served_dir, vllm_python, ("b",))
+    try:
+        urls = urls + [f"http://127.0.0.1:{port}/v1" for _, port in more]
+        served = campaign(tmp_path / "served", 8000, served_dir, urls=urls)
+        local = campaign(tmp_path / "local", 8000, served_dir, mode="offline")
+        cfg_s, cfg_l = load_config(served), load_config(local)
+        before = [completed_requests(u) for u in urls]
+        run_extract(cfg_s, Campaign(cfg_s.campaign_dir()))
+        per_server = [completed_requests(u) - b for u, b in zip(urls, before)]
+        assert sum(per_server) == sum(map(len, LENGTHS.values())) and min(per_server) >= 5, per_server
+        run_extract(cfg_l, Campaign(cfg_l.campaign_dir()))
+        for split in ("train", "val"):
+            c = compare_splits(tmp_path / "served" / "features" / split, tmp_path / "local" / "features" / split)
+            assert c["samples"] == len(LENGTHS[split]) and max(c["max_rel"].values()) < TOLERANCE, c
+    finally:
+        stop_replicas(more)
