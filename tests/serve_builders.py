@@ -54,7 +54,7 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     from specops.models import resolve_model_dir
     from specops.target.inprocess import compute_features, load_target, load_target_head
 
-    # every core: nothing else runs while a fixture fits (63 s on 2 cores, 78 s on one)
+    # the calling process's intra-op threads: one in the default suite's two processes (78 s), 63 s on 2 cores
     md = resolve_model_dir("smollm2")
     hf = json.loads((md / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(str(md))
