@@ -136,11 +136,20 @@ class DrafterFamily(ABC):
     config_cls: ClassVar[type]  # has to_dict(), and the target sizes target_vocab_size,
     # target_hidden_size, target_num_hidden_layers and the layer ids aux_layer_ids it reads
     export_formats: ClassVar[tuple[str, ...]]  # what `export` writes, the first the engines' own
+    # The family this one extends, whose export check would also accept its dirs (P-EAGLE: "eagle3");
+    # `families.family_of_export` then picks this one.
+    refines: ClassVar[str | None] = None
 
     # ---------------------------------------------------------------- model
     @abstractmethod
     def feature_layer_ids(self, num_layers: int) -> list[int]:
         """The target layers (input-to-layer ids) a drafter of this family reads by default."""
+
+    def resolve_train(self, train: Any, target_config: Mapping[str, Any], tokenizer: Callable[[], Any | None]) -> Any:
+        """The train section with this family's target-dependent keys filled in and checked against
+        the target (its HF config; `tokenizer()` loads the target's tokenizer, None when it has
+        none), once, before new_config; raises InputError naming the key. Default: `train` as is."""
+        return train
 
     @abstractmethod
     def new_config(self, target_config: Mapping[str, Any] | Any, draft_vocab_size: int, layer_ids: list[int],
