@@ -221,7 +221,7 @@ class ExtractSection:
 
 # The drafter families `train.drafter` may name: the keys of drafter.families.FAMILIES (a test holds
 # the two equal; config stays free of torch, so the names are listed here).
-DRAFTER_FAMILIES = ("eagle3",)
+DRAFTER_FAMILIES = ("eagle3", "peagle")
 
 
 @dataclass(kw_only=True)
