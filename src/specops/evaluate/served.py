@@ -88,6 +88,9 @@ LIKELY_CAUSES = (
     "in the export",
     "rope_theta / rope_scaling / max_position_embeddings differ from the target's",
     "the server runs another k, dtype or target than the loop",
+    "the drafting rule: a P-EAGLE drafter (mask_hidden, mask_token_id) served without parallel_drafting "
+    "drafts a chain, an EAGLE-3 one served with it drafts from mask slots; or the export's mask_hidden / "
+    "mask_token_id are not the trained ones",
 )
 
 
