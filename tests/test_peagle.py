@@ -380,6 +380,18 @@ def test_export_passes_its_check_and_round_trips(exports, fmt):
     assert report.family is FAMILIES["eagle3"] and report.format == fmt
 
 
+def test_the_export_phase_writes_the_checkpoints_family(trained):
+    """`specops export` on the P-EAGLE campaign: both formats, each read back as P-EAGLE's."""
+    from specops.drafter.export import run_export
+
+    out = run_export(load_config(trained["root"] / "ref.toml"), trained["ref"])
+    for fmt in ("vllm", "speculators"):
+        report = check_export(out["exports"][fmt])
+        assert report.ok and report.family is PEAGLE and report.format == fmt, report.render()
+        assert report.render().splitlines()[0].endswith(f"peagle {fmt} drafter dir: OK")
+        assert report.to_json()["family"] == "peagle"
+
+
 def _corrupt(src: Path, dst: Path, *, tensors=None, config=None) -> Path:
     shutil.copytree(src, dst)
     if tensors is not None:

@@ -84,13 +84,15 @@ class CheckReport:
         return worst(self.problems) != "nogo"
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "format": self.format, "ok": self.ok,
+        return {"path": self.path, "family": self.family.name if self.family is not None else None,
+                "format": self.format, "ok": self.ok,
                 "problems": [p.to_json() for p in self.problems], "facts": self.facts}
 
     def render(self) -> str:
         n_nogo = sum(p.status == "nogo" for p in self.problems)
         head = "OK" if self.ok else f"FAIL ({n_nogo} blocking)"
-        lines = [f"{self.path}: {self.format} drafter dir: {head}"]
+        kind = f"{self.family.name} {self.format}" if self.family is not None else self.format
+        lines = [f"{self.path}: {kind} drafter dir: {head}"]
         for p in self.problems:
             lines.append(f"  {p.status:<5} {p.name:<28} {p.message}")
         for k, v in self.facts.items():
