@@ -425,3 +425,60 @@ def test_a_corrupted_export_fails_its_check_naming_the_problem(exports, tmp_path
     if fmt == "vllm":  # mask_token_id alone still names the dir P-EAGLE's: the missing tensor is named
         nomask = _corrupt(src, tmp_path / "nomask", tensors=lambda sd: sd.pop("mask_hidden"))
         assert "no mask_hidden tensor" in nogo(nomask)["keys.mask_hidden"]
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_of_the_objective_and_the_drafting_rule_equal_eager():
+    """On CUDA: P-EAGLE's static objective through GraphedMicroStep (bf16 autocast) replayed as graphs
+    = run eagerly (outputs and accumulated gradients, mask_hidden's included); the static runner's
+    one-call rule captured as a graph = the eager runner's drafts."""
+    from specops.drafter.graphs import GraphedMicroStep
+    from specops.target.inprocess import TargetHead
+
+    from test_train_graphs import _assert_same_steps, _graph_inputs
+
+    dev = torch.device("cuda")
+    batches = _graph_inputs(dev) * 3  # each shape: warm-up, capture + replay, replay
+
+    def run(use_graphs):
+        d = peagle_debug(6).train().to(dev)
+        head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
+        teacher = Teacher(head, d.d2t, final_prenorm=True, device=dev, dtype=torch.bfloat16)
+        params = [p for p in d.parameters() if p.requires_grad]
+        fn = PEAGLE.static_objective(d, teacher, TrainSection(drafter="peagle", ttt_steps=K, loss_decay=0.8))
+        micro = GraphedMicroStep(fn, params, dev, loss_scale=0.5, use_graphs=use_graphs,
+                                 autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False))
+        outs, grads = [], []
+        for i, hb in enumerate(batches):
+            if i % 2 == 0:
+                for p in params:
+                    p.grad.zero_()
+            o = micro.step(hb)
+            outs.append([t.clone() for t in (o.loss, o.ce_sum, o.correct, o.count)])
+            if i % 2 == 1:
+                grads.append([p.grad.clone() for p in params])
+        torch.cuda.synchronize()
+        return outs, grads, micro.summary()
+
+    torch.manual_seed(0)
+    graphs = run(True)
+    torch.manual_seed(0)
+    eager = run(False)
+    assert graphs[2]["on"] and graphs[2]["captured"] == 3 and graphs[2]["replays"] == 9, graphs[2]
+    _assert_same_steps(graphs, eager)
+
+    d = peagle_debug(7).to(dev)
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, d.config.target_vocab_size, (40,), generator=g)
+    aux = torch.randn(40, 3, d.config.target_hidden_size, generator=g)
+    plan = [6, 1, 3, 1, 3, 2]
+    static = StaticParallelRunner(d, cuda_graphs=True, min_capacity=64)
+    got = _rounds(static, d, seq.to(dev), aux.to(dev), K, plan)
+    want = _rounds(EagerParallelRunner(d), d, seq.to(dev), aux.to(dev), K, plan)
+    assert static.use_graphs and static.graph_fallbacks == 0 and len(static._graphs) >= 2
+    for (a, _), (b, _) in zip(got, want):
+        assert torch.equal(a, b)

@@ -49,7 +49,14 @@ def drafters(tmp_path_factory):
     from specops.drafter.model import DrafterConfig, Eagle3Drafter
 
     root = tmp_path_factory.mktemp("peagle-drafters")
-    f = fit_drafter(answer_tokens=ANSWERS, k=K, steps=80, family="peagle")
+    # one intra-op thread: 78 s against 63 s on two idle cores, and minutes instead of 10+ when other
+    # work shares the box (two OpenMP threads busy-wait for a core)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        f = fit_drafter(answer_tokens=ANSWERS, k=K, steps=80, family="peagle")
+    finally:
+        torch.set_num_threads(n)
     assert min(f.loop_tau) >= 1.5, f.loop_tau  # enough acceptance for a wrong rule to show
     chain = Eagle3Drafter(DrafterConfig.from_dict(f.drafter.config.to_dict()))
     chain.load_state_dict({n: t for n, t in f.drafter.state_dict().items() if n != "mask_hidden"})
