@@ -114,6 +114,7 @@ def test_interop_check_passes_against_the_peagle_loop(served, drafters, capsys):
     assert ev.returncode == 0, ev.stdout + ev.stderr[-4000:]
     it = res["interop"]
     assert it["ok_t0"] and it["identical_turns"] == it["turns"] == len(ANSWERS), it["line"]
+    assert it["loop_drafter_family"] == "peagle"  # the loop ran the one-forward rule
     for row, turn in zip(it["rows"], res["rows"]):  # the engine's steps are the loop's, one by one
         assert turn["per_step_accepted"] == row["per_step_accepted_loop"]
     assert abs(it["tau_diff"]) <= it["tolerance"] == 0.05 and it["tau_loop"] > 1.5, it["line"]
@@ -149,6 +150,7 @@ def test_interop_check_fails_against_the_chain_rule_on_the_same_weights(served, 
     it = interop_check(turns, target=load_target(md, "float32", "cpu"), drafter=chain, k=K,
                        max_new_tokens=EVAL_TOKENS, eos=eos, tolerance=0.05)
     assert it["identical_turns"] == len(ANSWERS), it["line"]  # the same prompts: the target's own tokens
+    assert it["loop_drafter_family"] == "eagle3"
     assert not it["ok"] and it["tau_served"] - it["tau_loop"] > 0.1, it["line"]
     assert any(c.startswith("the drafting rule") for c in it["likely_causes"])
     with capsys.disabled():
