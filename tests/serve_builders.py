@@ -26,7 +26,7 @@ FIT_PROMPTS = tuple(DRAFTER_PROBE_PROMPTS)
 
 @dataclass
 class FittedDrafter:
-    drafter: object  # Eagle3Drafter, eval mode, fp32
+    drafter: object  # Eagle3Drafter (PEagleDrafter for family "peagle"), eval mode, fp32
     hf_config: dict
     model_dir: Path
     prompts: list[list[int]]  # chat-template ids per prompt
@@ -42,8 +42,10 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_vocab: int = 1024,
-                lr: float = 3e-3) -> FittedDrafter:
-    """Train a drafter on SmolLM2's greedy answers to FIT_PROMPTS (answer_tokens[i] tokens for prompt i)."""
+                lr: float = 3e-3, family: str = "eagle3") -> FittedDrafter:
+    """Train a drafter on SmolLM2's greedy answers to FIT_PROMPTS (answer_tokens[i] tokens for prompt i).
+    family "peagle": a P-EAGLE drafter (mask token: SmolLM2's default, train.mask_token_id's
+    resolution), trained with its objective; loop_tau then comes from its one-forward rule."""
     from transformers import AutoTokenizer
 
     from specops.drafter.model import DrafterConfig, Eagle3Drafter
@@ -59,7 +61,16 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     hf = json.loads((md / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(str(md))
     target = load_target(md, "float32", "cpu")
-    cfg = DrafterConfig.from_target(hf, draft_vocab, intermediate_size=256)
+    later = None
+    if family == "peagle":
+        from specops.drafter.families.peagle import resolve_mask_token_id
+        from specops.drafter.families.peagle.model import PEagleConfig, PEagleDrafter
+        from specops.drafter.families.peagle.objective import mask_later_inputs
+
+        mask_id, _ = resolve_mask_token_id(hf, tok)
+        cfg = PEagleConfig.from_target(hf, draft_vocab, intermediate_size=256, mask_token_id=mask_id)
+    else:
+        cfg = DrafterConfig.from_target(hf, draft_vocab, intermediate_size=256)
     runner = TargetRunner(target, cfg.aux_layer_ids)
     prompts = [chat_ids(tok, p) for p in FIT_PROMPTS[: len(answer_tokens)]]
     answers = [target_generate(runner, p, max_new_tokens=n).tokens for p, n in zip(prompts, answer_tokens)]
@@ -69,7 +80,9 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     vocab = sorted(seen + rest)
     head = load_target_head(md)
     torch.manual_seed(0)
-    d = Eagle3Drafter(cfg)
+    d = PEagleDrafter(cfg) if family == "peagle" else Eagle3Drafter(cfg)
+    if family == "peagle":
+        later = mask_later_inputs(d)
     d.init_from_target(head.embed.float(), head.lm_head.float(),
                        torch.tensor(vocab) - torch.arange(draft_vocab))
     samples = []
@@ -82,7 +95,7 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     targets = teacher_targets(teacher, batch)
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=lr)
     for _ in range(steps):
-        out = ttt_forward(d, batch, targets, steps=k, decay=0.8)
+        out = ttt_forward(d, batch, targets, steps=k, decay=0.8, later_inputs=later(batch) if later else None)
         opt.zero_grad()
         out.loss.backward()
         opt.step()
@@ -103,7 +116,9 @@ def write_checkpoint(drafter, out: Path, *, aux_layer_ids=None) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(out / "model.safetensors"))
-    config = drafter.config.to_dict()
+    from specops.drafter.families import family_of
+
+    config = {"family": family_of(drafter).name, **drafter.config.to_dict()}
     if aux_layer_ids is not None:
         config["aux_layer_ids"] = list(aux_layer_ids)
     (out / "drafter_config.json").write_text(json.dumps(config))
@@ -114,11 +129,18 @@ def export(fitted: FittedDrafter, out: Path, *, fmt: str = "vllm", drafter=None,
     """`fitted` (or `drafter`) exported in `fmt` ("vllm" or "speculators"); `aux_layer_ids` overrides
     the ids the export names (a negative control: the drafter was trained on its config's ids)."""
     from specops.drafter.families.eagle3.export import export_speculators, export_vllm
+    from specops.drafter.families.peagle.model import PEagleDrafter
 
     d = drafter or fitted.drafter
     config = d.config.to_dict()
     if aux_layer_ids is not None:
         config["aux_layer_ids"] = list(aux_layer_ids)
+    if isinstance(d, PEagleDrafter):
+        from specops.drafter.families.peagle.export import export_peagle
+
+        return export_peagle(fmt, d.state_dict(), config, out, target_config=fitted.hf_config,
+                             target_name_or_path=str(fitted.model_dir), speculative_tokens=fitted.k,
+                             dtype=torch.float32)
     kw = dict(target_config=fitted.hf_config, aux_layer_ids=config["aux_layer_ids"],
               target_name_or_path=str(fitted.model_dir), dtype=torch.float32)
     if fmt == "vllm":

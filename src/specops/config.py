@@ -219,10 +219,30 @@ class ExtractSection:
     eager_writeback: Literal["auto", "async", "sync", "off"] = "auto"
 
 
+# The drafter families `train.drafter` may name: the keys of drafter.families.FAMILIES (a test holds
+# the two equal; config stays free of torch, so the names are listed here).
+DRAFTER_FAMILIES = ("eagle3", "peagle")
+
+
 @dataclass(kw_only=True)
 class TrainSection:
     mode: Literal["offline", "online"] = "offline"  # offline: read features/; online: target runs in process
-    ttt_steps: int = 7  # training-time-test unroll K
+    # The drafter family to train (drafter/families/): "eagle3" drafts a chain of k tokens, one
+    # drafter forward each; "peagle" (P-EAGLE) is EAGLE-3's layer drafting all k in one forward
+    # (served by vLLM with parallel_drafting). A checkpoint records its family; export, eval and a
+    # resume rebuild that one.
+    drafter: str = "eagle3"
+    # P-EAGLE: the input id of the k-1 mask slots after the last verified token (vLLM reads it from
+    # the export's config.json `mask_token_id`). Any id below the target vocab works: the mask slot
+    # is told apart by its learned hidden input (mask_hidden), and the embedding row is the target's
+    # (frozen, shared by vLLM). None resolves it from the target as speculators' trainer does
+    # (speculators train/utils.py resolve_mask_token_id), so both name the same id for one target:
+    # the tokenizer's mask token, else the first embedding row past the tokenizer's tokens (one no
+    # text ever produces), else its pad, eos, unk token; with no tokenizer, config.json's
+    # pad_token_id, then eos_token_id. SmolLM2: 2 (its pad = eos, <|im_end|>). The id is recorded in
+    # the drafter's config and checked against the target's vocab when training starts.
+    mask_token_id: int | None = None
+    ttt_steps: int = 7  # training-time-test unroll K (P-EAGLE: the depths scored, = drafts k)
     loss_decay: float = 0.8  # step k's loss weight is loss_decay**k
     # The recipe defaults are the speculators trainer's (Muon on the layer's matrices, a frozen lm_head,
     # linear decay to 0, clip 1.0, weight decay 0.1, lr 1e-3): on real SmolLM2 data they beat AdamW on
@@ -297,6 +317,17 @@ class TrainSection:
             raise ConfigError(f"train.loss_decay: must be in (0, 1], got {self.loss_decay}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.drafter not in DRAFTER_FAMILIES:
+            close = difflib.get_close_matches(self.drafter, DRAFTER_FAMILIES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"train.drafter: unknown drafter family {self.drafter!r}{hint}; expected one of "
+                              f"{', '.join(map(repr, DRAFTER_FAMILIES))}")
+        if self.mask_token_id is not None:
+            if self.mask_token_id < 0:
+                raise ConfigError(f"train.mask_token_id: must be a token id >= 0, got {self.mask_token_id}")
+            if self.drafter == "eagle3":
+                raise ConfigError("train.mask_token_id: EAGLE-3 drafts from its own tokens and has no mask token; "
+                                  "remove it, or set train.drafter = \"peagle\"")
 
 
 # Eval prompt sets: the built-in sources meant for evaluation, or "file" (a path is then required).

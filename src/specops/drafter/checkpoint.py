@@ -2,8 +2,9 @@
 
 A checkpoint is complete when every file of CKPT_FILES is present and state.json says so; it is
 written under a temp name, fsync'd and renamed, so a kill leaves either the old set or the new one.
-train writes and resumes them; export and eval read the drafter back with `load_drafter` (the
-model of `families.TRAINED`, the family train builds, from drafter_config.json).
+train writes and resumes them; export and eval read the drafter back with `load_drafter`.
+drafter_config.json is the drafter's config plus "family", the drafter family that reads it
+(`families.FAMILIES`; absent in checkpoints written before train could build another: EAGLE-3).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 
 from ..campaign import fsync_file, now_iso, read_json
 from ..errors import ConfigError
-from .families import TRAINED
+from .families import checkpoint_family, family_of
 from .optim import OptimizerSet
 
 CKPT_FILES = ("model.safetensors", "drafter_config.json", "optimizer.pt", "rng.pt", "state.json")
@@ -57,7 +58,8 @@ def load_drafter(ckpt_dir: str | os.PathLike[str], device: str | torch.device = 
     from safetensors.torch import load_file
 
     ckpt_dir = Path(ckpt_dir)
-    model = TRAINED.drafter_from_config(json.loads((ckpt_dir / "drafter_config.json").read_text()))
+    config = json.loads((ckpt_dir / "drafter_config.json").read_text())
+    model = checkpoint_family(config, f"{ckpt_dir}/drafter_config.json").drafter_from_config(config)
     model.load_state_dict(load_file(str(ckpt_dir / "model.safetensors")), strict=True)
     return model.to(device)
 
@@ -75,7 +77,8 @@ def save_checkpoint(drafter_dir: Path, step: int, drafter: nn.Module, optimizer,
     tmp.mkdir()
     sd = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     save_file(sd, str(tmp / "model.safetensors"))
-    (tmp / "drafter_config.json").write_text(json.dumps(drafter.config.to_dict(), indent=1) + "\n")
+    config = {"family": family_of(drafter).name, **drafter.config.to_dict()}
+    (tmp / "drafter_config.json").write_text(json.dumps(config, indent=1) + "\n")
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -96,6 +99,10 @@ def save_checkpoint(drafter_dir: Path, step: int, drafter: nn.Module, optimizer,
 def load_checkpoint(path: Path, drafter: nn.Module, optimizer, scheduler) -> dict[str, Any]:
     from safetensors.torch import load_file
 
+    saved = checkpoint_family(json.loads((path / "drafter_config.json").read_text()), f"{path}/drafter_config.json")
+    if saved is not family_of(drafter):
+        raise ConfigError(f"{path} holds a {saved.name} drafter and this run trains {family_of(drafter).name} "
+                          f"(train.drafter): resume with train.drafter = {saved.name!r}, or train into a new campaign")
     device = next(drafter.parameters()).device
     sd = load_file(str(path / "model.safetensors"), device=str(device))
     drafter.load_state_dict(sd, strict=True)

@@ -171,8 +171,12 @@ def build_optimizer(model: torch.nn.Module, tc: Any, *, fused: bool, total_steps
     lam = lr_lambda(tc.warmup_steps, total_steps, tc.min_lr_ratio, tc.lr_schedule)
 
     def adamw(params: list[torch.nn.Parameter]) -> torch.optim.AdamW:
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        # decay on matrices only: norms and a [1, N] input row (P-EAGLE's mask_hidden) keep their scale
+        def matrix(p: torch.nn.Parameter) -> bool:
+            return p.dim() >= 2 and min(p.shape) > 1
+
+        groups = [{"params": [p for p in params if matrix(p)], "weight_decay": tc.weight_decay},
+                  {"params": [p for p in params if not matrix(p)], "weight_decay": 0.0}]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=tc.lr, betas=(0.9, 0.95), fused=fused or None)
 
     if tc.optimizer == "adamw":

@@ -4,7 +4,7 @@ drafter/metrics.jsonl, drafter/manifest.json.
 What every drafter family shares is here: the data pipeline (feature or token splits, loss masks,
 length-bucketed or packed batches, collation into `batch.Batch`, online features), the trainer loop
 (gradient accumulation, DDP, CUDA-graph micro-steps, the validation pass, heartbeats, metrics, the
-manifest) and its checkpoints. The family (`drafter/families/`; `families.TRAINED`) gives the
+manifest) and its checkpoints. The family (`drafter/families/`; train.drafter picks it) gives the
 drafter, its objective over a batch and the teacher's targets (loss and per-position accuracy),
 the simulated tau of that accuracy and the conventions the manifest records; EAGLE-3's training-time
 test is `families/eagle3/objective.py`.
@@ -38,7 +38,7 @@ from .optim import build_optimizer
 from ..target import default_aux_layer_ids
 from ..target.inprocess import load_target_head
 from .batch import Batch, Teacher, teacher_targets
-from .families import TRAINED
+from .families import family_named
 from .model import count_parameters, set_kernel_options
 
 log = logging.getLogger("specops.train")
@@ -518,11 +518,13 @@ class _Trainer:
             raise InputError("the train split has no usable sample (each needs >= 3 tokens and a trainable token)")
 
         # target head -> drafter + teacher
-        self.family = family = TRAINED
+        self.family = family = family_named(tc.drafter)
         head = load_target_head(self.model_dir)
         if aux_ids is None:
             aux_ids = family.feature_layer_ids(int(head.config["num_hidden_layers"]))
-        self.dcfg = family.new_config(head.config, d2t.numel(), aux_ids, tc)
+        # the family's target-dependent keys (P-EAGLE: the mask token id), resolved and checked once
+        self.family_tc = family_tc = family.resolve_train(tc, head.config, self._tokenizer)
+        self.dcfg = family.new_config(head.config, d2t.numel(), aux_ids, family_tc)
         if tc.mode == "offline" and self.train_split.hidden_size != self.dcfg.target_hidden_size:
             raise InputError(f"features hidden_size {self.train_split.hidden_size} != target hidden_size "
                              f"{self.dcfg.target_hidden_size}: features from another model?")
@@ -531,13 +533,13 @@ class _Trainer:
                              f"{self.dcfg.target_vocab_size}")
         torch.manual_seed(self.seed)
         random.seed(self.seed)
-        self.drafter = family.new_drafter(self.dcfg, head, d2t, vocab["t2d"].bool(), tc)
+        self.drafter = family.new_drafter(self.dcfg, head, d2t, vocab["t2d"].bool(), family_tc)
         self.drafter.to(self.device)
         self.teacher = Teacher(head, d2t, final_prenorm=final_prenorm, device=self.device,
                                dtype=torch.bfloat16 if self.cuda else torch.float32)
         del head
 
-        self.module = family.objective(self.drafter, tc)
+        self.module = family.objective(self.drafter, family_tc)
         if dist.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -558,7 +560,7 @@ class _Trainer:
             else:
                 self.pad_to = tc.graph_bucket
                 self.micro = GraphedMicroStep(
-                    family.static_objective(self.drafter, self.teacher, tc), self.params, self.device,
+                    family.static_objective(self.drafter, self.teacher, family_tc), self.params, self.device,
                     loss_scale=1.0 / tc.grad_accum, use_graphs=self.cuda,
                     autocast=lambda: self.autocast(cache=False))  # no cast cache while a graph is captured
         # train.pack_rows: rows of several documents, one shape [batch_tokens / pack_rows, pack_rows]
@@ -587,6 +589,18 @@ class _Trainer:
                             if self.val_split is not None else [])
 
     # -------------------------------------------------------------- helpers
+    def _tokenizer(self) -> Any:
+        """The target's tokenizer (target.tokenizer, else the model's own), or None when the model
+        directory has none (a family's resolve_train reads it)."""
+        from ..target.hf import load_tokenizer
+
+        where = self.cfg.target.tokenizer or self.model_dir
+        try:
+            return load_tokenizer(where, trust_remote_code=self.cfg.target.trust_remote_code)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            log.info("train: no tokenizer at %s (%s: %s)", where, type(e).__name__, e)
+            return None
+
     def autocast(self, cache: bool = True):
         return (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache) if self.cuda
                 else contextlib.nullcontext())
@@ -898,6 +912,7 @@ class _Trainer:
             "updated": now_iso(),
             "inputs": {**self.inputs, "target_model": str(self.model_dir),
                        "vocab": str(self.campaign.root / "build" / "vocab.safetensors")},
+            "family": self.family.name,
             "drafter_config": self.dcfg.to_dict(),
             "train_config": dataclasses.asdict(self.tc),
             "seed": self.seed,
@@ -907,7 +922,7 @@ class _Trainer:
                        "train_tokens": sum(self.train_split.lengths), "steps_per_epoch": self.steps_per_epoch,
                        "total_steps": self.total_steps, "world_size": self.dist.world},
             "warnings": self.warnings,
-            "conventions": self.family.conventions(self.dcfg, self.tc),
+            "conventions": self.family.conventions(self.dcfg, self.family_tc),
             "resumed_from": resumed_from,
             "checkpoints": [str(p) for _, p in list_checkpoints(self.dir)],
             "metrics": str(self.metrics_path),

@@ -88,6 +88,9 @@ LIKELY_CAUSES = (
     "in the export",
     "rope_theta / rope_scaling / max_position_embeddings differ from the target's",
     "the server runs another k, dtype or target than the loop",
+    "the drafting rule: a P-EAGLE drafter (mask_hidden, mask_token_id) served without parallel_drafting "
+    "drafts a chain, an EAGLE-3 one served with it drafts from mask slots; or the export's mask_hidden / "
+    "mask_token_id are not the trained ones",
 )
 
 
@@ -471,7 +474,10 @@ def interop_check(turns: list[TurnResult], *, target: Any, drafter: Any, k: int,
                      "per_step_accepted_loop": spec.accepted})
     tau_served = 1 + s_acc / s_drafts if s_drafts else None
     tau_loop = l_sum / l_steps if l_steps else None
+    from ..drafter.families import family_of
+
     out: dict[str, Any] = {"k": k, "max_new_tokens": max_new_tokens, "tolerance": tolerance,
+                           "loop_drafter_family": family_of(drafter).name,  # whose drafting rule the loop ran
                            "tau_served": tau_served, "tau_loop": tau_loop,
                            "tau_diff": None if tau_served is None or tau_loop is None else tau_served - tau_loop,
                            "turns": len(rows), "identical_turns": sum(r["identical"] for r in rows), "rows": rows}

@@ -445,6 +445,7 @@ class _Evaluator:
         from .fast_target import runner_info
 
         out = {"target": str(self.target.model_dir), "aux_layer_ids": self.drafter.config.aux_layer_ids,
+               "drafter_family": family_of(self.drafter).name,
                "device": str(self.device), "dtype": str(self.target.dtype).removeprefix("torch.")}
         if not hasattr(self, "runner"):  # the batched loop's
             return {**out, "target_runner": "batched", "cuda_graphs": False, "drafter_runner": "batched",

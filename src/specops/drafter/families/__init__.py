@@ -2,6 +2,11 @@
 family a model, an export dir or a training checkpoint holds.
 
     eagle3/   EAGLE-3: one decoder layer over three fused target states, a chain of k drafts
+    peagle/   P-EAGLE: EAGLE-3's layer drafting all k in one forward (a learned mask hidden state and
+              a mask token in the k-1 slots after the last verified token; vLLM parallel_drafting)
+
+`train.drafter` names the family train builds (`FAMILIES`, and config.DRAFTER_FAMILIES for the
+config's own check); a checkpoint's drafter_config.json records it (`checkpoint_family`).
 """
 
 from __future__ import annotations
@@ -12,32 +17,49 @@ from typing import Any, Mapping
 from torch import nn
 
 from ...checks.result import CheckResult
+from ...errors import ConfigError
 from ..formats import _Checkpoint
 from .base import CheckReport, DrafterFamily, DrafterRunner, ObjectiveOut, open_drafter_dir
 from .eagle3 import EAGLE3
+from .peagle import PEAGLE
 
-FAMILIES: dict[str, DrafterFamily] = {f.name: f for f in (EAGLE3,)}
+# Every family by name: `train.drafter` picks one (config.DRAFTER_FAMILIES lists the same names).
+FAMILIES: dict[str, DrafterFamily] = {f.name: f for f in (EAGLE3, PEAGLE)}
 
-# The family `specops train` builds, and so the one a training checkpoint's drafter_config.json
-# describes: the campaign config has no key that chooses another.
-TRAINED: DrafterFamily = EAGLE3
+# What a training checkpoint's drafter_config.json without a "family" field holds: checkpoints
+# written before train could build another family.
+DEFAULT_FAMILY = EAGLE3.name
+
+
+def family_named(name: str, where: str = "train.drafter") -> DrafterFamily:
+    """FAMILIES[name], or a ConfigError naming `where` and the families there are."""
+    if name not in FAMILIES:
+        raise ConfigError(f"{where}: unknown drafter family {name!r} (expected one of {', '.join(map(repr, FAMILIES))})")
+    return FAMILIES[name]
+
+
+def checkpoint_family(config: Mapping[str, Any], where: str = "drafter_config.json") -> DrafterFamily:
+    """The family of a training checkpoint's drafter_config.json (its "family"; absent: EAGLE-3)."""
+    return family_named(str(config.get("family", DEFAULT_FAMILY)), f"{where} family")
 
 
 def family_of(drafter: nn.Module) -> DrafterFamily:
-    """The family whose model `drafter` is."""
-    for f in FAMILIES.values():
-        if isinstance(drafter, f.model_cls):
-            return f
-    raise TypeError(f"{type(drafter).__name__} is no drafter family's model ({', '.join(FAMILIES)})")
+    """The family whose model `drafter` is: its own class's, else the most derived one it is an
+    instance of (a family's model may subclass another's: P-EAGLE's is EAGLE-3's plus mask_hidden)."""
+    mine = [f for f in FAMILIES.values() if isinstance(drafter, f.model_cls)]
+    if not mine:
+        raise TypeError(f"{type(drafter).__name__} is no drafter family's model ({', '.join(FAMILIES)})")
+    return max(mine, key=lambda f: len(f.model_cls.__mro__))
 
 
 def family_of_export(config: Mapping[str, Any], names: set[str]) -> tuple[DrafterFamily, str] | None:
-    """(family, format) of a drafter dir with this config.json and these tensor names, or None."""
-    for f in FAMILIES.values():
-        fmt = f.export_format(config, names)
-        if fmt is not None:
-            return f, fmt
-    return None
+    """(family, format) of a drafter dir with this config.json and these tensor names, or None.
+    When several families read it, the one that refines another (`DrafterFamily.refines`) wins: a
+    P-EAGLE dir is an EAGLE-3 dir plus mask_hidden and mask_token_id."""
+    claims = [(f, fmt) for f in FAMILIES.values() if (fmt := f.export_format(config, names)) is not None]
+    refined = {f.refines for f, _ in claims if f.refines}
+    claims = [(f, fmt) for f, fmt in claims if f.name not in refined]
+    return claims[0] if claims else None
 
 
 def open_export(directory: str | Path) -> tuple[CheckReport, dict[str, Any] | None, _Checkpoint | None]:
@@ -53,5 +75,5 @@ def open_export(directory: str | Path) -> tuple[CheckReport, dict[str, Any] | No
     return report, config, weights
 
 
-__all__ = ["FAMILIES", "TRAINED", "CheckReport", "DrafterFamily", "DrafterRunner", "ObjectiveOut", "family_of",
-           "family_of_export", "open_export"]
+__all__ = ["DEFAULT_FAMILY", "FAMILIES", "CheckReport", "DrafterFamily", "DrafterRunner", "ObjectiveOut",
+           "checkpoint_family", "family_named", "family_of", "family_of_export", "open_export"]

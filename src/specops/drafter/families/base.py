@@ -84,13 +84,15 @@ class CheckReport:
         return worst(self.problems) != "nogo"
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "format": self.format, "ok": self.ok,
+        return {"path": self.path, "family": self.family.name if self.family is not None else None,
+                "format": self.format, "ok": self.ok,
                 "problems": [p.to_json() for p in self.problems], "facts": self.facts}
 
     def render(self) -> str:
         n_nogo = sum(p.status == "nogo" for p in self.problems)
         head = "OK" if self.ok else f"FAIL ({n_nogo} blocking)"
-        lines = [f"{self.path}: {self.format} drafter dir: {head}"]
+        kind = f"{self.family.name} {self.format}" if self.family is not None else self.format
+        lines = [f"{self.path}: {kind} drafter dir: {head}"]
         for p in self.problems:
             lines.append(f"  {p.status:<5} {p.name:<28} {p.message}")
         for k, v in self.facts.items():
@@ -136,11 +138,20 @@ class DrafterFamily(ABC):
     config_cls: ClassVar[type]  # has to_dict(), and the target sizes target_vocab_size,
     # target_hidden_size, target_num_hidden_layers and the layer ids aux_layer_ids it reads
     export_formats: ClassVar[tuple[str, ...]]  # what `export` writes, the first the engines' own
+    # The family this one extends, whose export check would also accept its dirs (P-EAGLE: "eagle3");
+    # `families.family_of_export` then picks this one.
+    refines: ClassVar[str | None] = None
 
     # ---------------------------------------------------------------- model
     @abstractmethod
     def feature_layer_ids(self, num_layers: int) -> list[int]:
         """The target layers (input-to-layer ids) a drafter of this family reads by default."""
+
+    def resolve_train(self, train: Any, target_config: Mapping[str, Any], tokenizer: Callable[[], Any | None]) -> Any:
+        """The train section with this family's target-dependent keys filled in and checked against
+        the target (its HF config; `tokenizer()` loads the target's tokenizer, None when it has
+        none), once, before new_config; raises InputError naming the key. Default: `train` as is."""
+        return train
 
     @abstractmethod
     def new_config(self, target_config: Mapping[str, Any] | Any, draft_vocab_size: int, layer_ids: list[int],

@@ -43,7 +43,7 @@ class Eagle3(DrafterFamily):
 
     def new_drafter(self, config: DrafterConfig, head: Any, d2t: torch.Tensor, t2d: torch.Tensor,
                     train: Any) -> Eagle3Drafter:
-        drafter = Eagle3Drafter(config)
+        drafter = self.model_cls(config)
         drafter.init_from_target(head.embed, head.lm_head, d2t, freeze_embeddings=train.freeze_embeddings)
         if train.freeze_lm_head:  # keep the target's own readout of the draft vocab (speculators does)
             drafter.lm_head.weight.requires_grad_(False)
@@ -55,7 +55,7 @@ class Eagle3(DrafterFamily):
         return drafter
 
     def drafter_from_config(self, config: Mapping[str, Any]) -> Eagle3Drafter:
-        return Eagle3Drafter(DrafterConfig.from_dict(dict(config)))
+        return self.model_cls(self.config_cls.from_dict(dict(config)))  # "family" and unknown keys: dropped
 
     # ---------------------------------------------------------------- training
     def objective(self, drafter: Eagle3Drafter, train: Any) -> TTTModule:
@@ -71,6 +71,7 @@ class Eagle3(DrafterFamily):
 
     def conventions(self, config: DrafterConfig, train: Any) -> dict[str, Any]:
         return {
+            "family": self.name,
             "aux_layer_ids": config.aux_layer_ids,
             "aux_layer_convention": AUX_CONVENTION,
             "final": "pre-norm; teacher = target lm_head(target norm(final)) restricted to the draft vocab",
@@ -111,7 +112,12 @@ class Eagle3(DrafterFamily):
                             target_embed: torch.Tensor) -> Eagle3Drafter:
         sd, config = load_exported(directory)
         drafter = Eagle3Drafter(drafter_config_from_export(config, target_num_hidden_layers))
-        sd = dict(sd)
+        return self._load_export_weights(drafter, dict(sd), directory, target_embed)
+
+    @staticmethod
+    def _load_export_weights(drafter: Eagle3Drafter, sd: dict[str, torch.Tensor], directory: Path,
+                             target_embed: torch.Tensor) -> Eagle3Drafter:
+        """An export's tensors (our names) into `drafter`; the target's embedding when it has none."""
         if "embed_tokens.weight" not in sd:  # engines share the target's embedding; so do we
             sd["embed_tokens.weight"] = target_embed.detach().float().cpu()
         missing, unexpected = drafter.load_state_dict(sd, strict=False)

@@ -84,7 +84,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import safetensors
 import torch
@@ -110,6 +110,8 @@ from ...formats import (
 from ..base import CheckReport, open_drafter_dir
 
 __all__ = [
+    "Extra",
+    "SPECULATORS_ARCHS",
     "export_vllm",
     "export_speculators",
     "check_export",
@@ -252,6 +254,26 @@ def _deepseek_first_id_1(ids: list[int], rule: SglangRule, num_layers: int | Non
             f"is the embedding output). Train with a first aux layer id of 2 or more{default}, or export only "
             f"the speculators format (`specops export --format speculators`, which vLLM serves and which has no "
             f"eagle_config){by_hand}")
+
+
+# speculators_model_type -> the architecture speculators' config class writes by default
+# (models/eagle3/config.py Eagle3SpeculatorConfig, models/peagle/config.py PEagleSpeculatorConfig).
+SPECULATORS_ARCHS = {"eagle3": SPECULATORS_ARCH, "peagle": "PEagleSpeculator"}
+
+CheckFn = Callable[[CheckReport, Path, Mapping[str, Any], _Checkpoint, Any], None]
+
+
+@dataclass(frozen=True)
+class Extra:
+    """What a family built on EAGLE-3's dirs adds to one (P-EAGLE: mask_hidden, mask_token_id):
+    tensors written as given (cast to the export dtype), config.json and manifest.json fields, the
+    speculators_model_type, and the check the written dir is read back with."""
+
+    tensors: Mapping[str, torch.Tensor]
+    config: Mapping[str, Any]
+    manifest: Mapping[str, Any]
+    speculators_type: str
+    check: CheckFn
 
 
 # ---------------------------------------------------------------------------------------------
@@ -583,9 +605,10 @@ def _manifest(flavor: str, *, target_config: Mapping[str, Any], target_name_or_p
 
 
 def _write_dir(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-               manifest: dict[str, Any], target_config: Mapping[str, Any]) -> Path:
-    """Write into a temp sibling, re-check it (`check_export` in the format manifest["flavor"]),
-    then swap it into place. A refused or crashed export leaves an existing out_dir untouched."""
+               manifest: dict[str, Any], target_config: Mapping[str, Any], check: CheckFn | None = None) -> Path:
+    """Write into a temp sibling, re-check it (`check`, default `check_export`, in the format
+    manifest["flavor"]), then swap it into place. A refused or crashed export leaves an existing
+    out_dir untouched."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
@@ -604,7 +627,7 @@ def _write_dir(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.T
         report, written, weights = open_drafter_dir(tmp)
         if written is not None:
             report.format = manifest["flavor"]
-            check_export(report, tmp, written, weights, target_config)
+            (check or check_export)(report, tmp, written, weights, target_config)
         _raise_if_nogo(report.problems, f"export read back from {tmp} fails its check")
         if out_dir.exists():
             out_dir.rename(old)
@@ -614,6 +637,20 @@ def _write_dir(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.T
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _add_extra(tensors: dict[str, torch.Tensor], config: dict[str, Any], manifest: dict[str, Any],
+               extra: Extra | None, dtype: torch.dtype) -> None:
+    """Another family's tensors (checked by it already: names outside EAGLE-3's), config fields and
+    manifest fields on top of the EAGLE-3 dir."""
+    if extra is None:
+        return
+    for name, t in extra.tensors.items():
+        t = t.detach().to("cpu")
+        tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
+    config.update(extra.config)
+    manifest.update(extra.manifest)
+    manifest["tensors"] = {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in sorted(tensors.items())}
 
 
 def export_vllm(
@@ -626,6 +663,7 @@ def export_vllm(
     target_name_or_path: str,
     dtype: torch.dtype = torch.bfloat16,
     embed_tokens: bool | None = None,
+    extra: Extra | None = None,
 ) -> Path:
     """Write the vLLM (`method: eagle3`) / SGLang (`EAGLE3`) drafter dir: config.json,
     model.safetensors (our names: midlayer.*, fc, norm, lm_head, d2t, t2d), manifest.json.
@@ -653,7 +691,8 @@ def export_vllm(
     }
     manifest = _manifest("vllm", target_config=target_config, target_name_or_path=target_name_or_path,
                          aux_layer_ids=aux, tensors=tensors, write_embed=write_embed, sglang=(sglang_ids, rule))
-    return _write_dir(Path(out_dir), config, tensors, manifest, target_config)
+    _add_extra(tensors, config, manifest, extra, dtype)
+    return _write_dir(Path(out_dir), config, tensors, manifest, target_config, extra.check if extra else None)
 
 
 def export_speculators(
@@ -667,6 +706,7 @@ def export_speculators(
     dtype: torch.dtype = torch.bfloat16,
     speculative_tokens: int = 3,
     embed_tokens: bool | None = None,
+    extra: Extra | None = None,
 ) -> Path:
     """Write the speculators-format dir (`speculators_model_type: eagle3`), which vLLM also serves.
 
@@ -682,9 +722,10 @@ def export_speculators(
     renamed = {SPECULATORS_NAME_MAP[k]: v for k, v in tensors.items()}
     # Field names: speculators src/speculators/config.py (SpeculatorsConfig, VerifierConfig) and
     # models/eagle3/config.py (Eagle3SpeculatorConfig); proposal: proposals/greedy.py.
+    kind = extra.speculators_type if extra else "eagle3"
     config = {
-        "architectures": [SPECULATORS_ARCH],
-        "speculators_model_type": "eagle3",
+        "architectures": [SPECULATORS_ARCHS[kind]],
+        "speculators_model_type": kind,
         "transformer_layer_config": _llama_layer_config(fields, dims, dtype),
         "draft_vocab_size": dims.draft_vocab,
         "norm_before_residual": fields["norm_before_residual"],
@@ -695,7 +736,7 @@ def export_speculators(
         "norm_output": False,
         "embed_requires_grad": False,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": kind,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -707,7 +748,8 @@ def export_speculators(
     manifest = _manifest("speculators", target_config=target_config, target_name_or_path=target_name_or_path,
                          aux_layer_ids=aux, tensors=renamed, write_embed=write_embed)
     manifest["name_map"] = {k: v for k, v in SPECULATORS_NAME_MAP.items() if k in tensors}
-    return _write_dir(Path(out_dir), config, renamed, manifest, target_config)
+    _add_extra(renamed, config, manifest, extra, dtype)
+    return _write_dir(Path(out_dir), config, renamed, manifest, target_config, extra.check if extra else None)
 
 
 def _target_layers(d: Path, config: Mapping[str, Any], fmt: str,
@@ -845,7 +887,8 @@ NOT_AN_EXPORT = "neither EAGLE-3 architecture nor speculators_model_type in conf
 
 
 def check_export(report: CheckReport, d: Path, config: Mapping[str, Any], ckpt: _Checkpoint,
-                 target_config: Mapping[str, Any] | str | Path | None) -> None:
+                 target_config: Mapping[str, Any] | str | Path | None, *, extra_names: frozenset[str] = frozenset(),
+                 speculators_type: str = "eagle3") -> None:
     """Check a drafter dir in format report.format, ours or third-party, for what vLLM, SGLang and
     speculators need; adds to report.problems and report.facts. config: its config.json; ckpt: its
     tensors (read on demand).
@@ -853,6 +896,9 @@ def check_export(report: CheckReport, d: Path, config: Mapping[str, Any], ckpt: 
     `target_config`: the target's config dict, or a local model dir / config.json path, used to
     range-check layer ids and compare sizes; without it, our manifest.json or a local speculators
     verifier path is used when present. Nothing is fetched.
+
+    For a family built on EAGLE-3's dirs (P-EAGLE): `extra_names`, tensors of the file it checks
+    itself (left out here); `speculators_type`, the speculators_model_type and algorithm expected.
     """
     problems, facts = report.problems, report.facts
     fmt = report.format
@@ -860,7 +906,7 @@ def check_export(report: CheckReport, d: Path, config: Mapping[str, Any], ckpt: 
     # -- config fields
     if fmt == "speculators":
         layer_cfg = config.get("transformer_layer_config")
-        problems += _check_speculators_config(config)
+        problems += _check_speculators_config(config, speculators_type)
         if not isinstance(layer_cfg, Mapping):
             return
     else:
@@ -906,7 +952,7 @@ def check_export(report: CheckReport, d: Path, config: Mapping[str, Any], ckpt: 
                                           f"target has {target[key]}"))
 
     # -- tensors
-    names = _our_names(fmt, set(ckpt.meta))
+    names = _our_names(fmt, set(ckpt.meta) - extra_names)
     shown = {ours: n for n, ours in names.items()}
     meta = {ours: ckpt.meta[n] for n, ours in names.items()}
     if fmt == "vllm" and any(n.startswith("layers.0.") for n in names):
@@ -976,16 +1022,16 @@ def _check_verifier_path(name: Any) -> list[CheckResult]:
                   "or local directory\"); export with the target's model directory")]
 
 
-def _check_speculators_config(config: Mapping[str, Any]) -> list[CheckResult]:
+def _check_speculators_config(config: Mapping[str, Any], kind: str = "eagle3") -> list[CheckResult]:
     """The structure vLLM's SpeculatorsConfig.validate_speculators_config and speculators' pydantic
     models require."""
     out = []
-    if config.get("speculators_model_type") != "eagle3":
+    if config.get("speculators_model_type") != kind:
         out.append(_nogo("config.speculators_model_type", f"speculators_model_type "
-                         f"{config.get('speculators_model_type')!r} is not 'eagle3'"))
-    if config.get("architectures") != [SPECULATORS_ARCH]:
+                         f"{config.get('speculators_model_type')!r} is not {kind!r}"))
+    if config.get("architectures") != [SPECULATORS_ARCHS[kind]]:
         out.append(_warn("config.architectures", f"architectures {config.get('architectures')} is not "
-                         f"{[SPECULATORS_ARCH]} (speculators' Eagle3SpeculatorConfig default)"))
+                         f"{[SPECULATORS_ARCHS[kind]]} (speculators' {kind} config default)"))
     if not isinstance(config.get("transformer_layer_config"), Mapping):
         out.append(_nogo("config.transformer_layer_config", "transformer_layer_config must be a dict"))
     elif config["transformer_layer_config"].get("tie_word_embeddings") is True:
@@ -997,9 +1043,9 @@ def _check_speculators_config(config: Mapping[str, Any]) -> list[CheckResult]:
         k = methods[0]["speculative_tokens"]
         verifier = sc["verifier"]
         _ = verifier["name_or_path"], verifier["architectures"]
-        if sc.get("algorithm") != "eagle3":
+        if sc.get("algorithm") != kind:
             out.append(_nogo("config.speculators_config", f"speculators_config.algorithm {sc.get('algorithm')!r} "
-                             "is not 'eagle3'"))
+                             f"is not {kind!r}"))
         if sc.get("default_proposal_method") not in types:
             out.append(_nogo("config.speculators_config", f"default_proposal_method "
                              f"{sc.get('default_proposal_method')!r} is not one of {types}"))

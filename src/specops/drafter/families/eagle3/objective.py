@@ -26,9 +26,14 @@ for all steps). train.ttt_attention = "dense" runs the dense form above instead 
 Loss: sum_k loss_decay^k · mean over counted slots of the soft cross-entropy
 -sum_v p_teacher(v) log p_drafter(v). Per-step accuracy: argmax drafter == argmax teacher (draft
 vocab). Simulated tau (chain of K drafts, temperature 0): 1 + sum_k prod_{i<=k} acc_i.
+
+Another family may replace what steps k >= 1 read (`later_inputs`; P-EAGLE: its mask token and
+fc(mask_hidden) at every slot) and keep the rest: positions, attention, targets, counted slots, loss.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -49,9 +54,15 @@ def ttt_masks(doc: torch.Tensor, steps: int) -> list[torch.Tensor]:
     return [torch.cat([block0] + [diag] * k, dim=-1) for k in range(steps)]
 
 
-def ttt_unroll(drafter: Eagle3Drafter, batch: Batch, steps: int):
+# Step k >= 1's inputs in place of EAGLE-3's (x_{t+1+k}, the previous step's output): k ->
+# (token ids [B, T], hidden [B, T, H] or broadcastable to it).
+LaterInputs = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def ttt_unroll(drafter: Eagle3Drafter, batch: Batch, steps: int, later_inputs: LaterInputs | None = None):
     """The unroll's drafter steps: yields step k's output hidden [B, T, H] (pre-norm), k = 0..steps-1.
-    The loss on each step is the caller's (`ttt_forward`, `ttt_forward_static`)."""
+    The loss on each step is the caller's (`ttt_forward`, `ttt_forward_static`). `later_inputs`:
+    what steps k >= 1 read instead of EAGLE-3's chain (module docstring)."""
     hidden = drafter.fuse(batch.aux)  # [B, T, H]
     dense = KERNELS.ttt_attention == "dense"
     masks = ttt_masks(batch.doc, steps) if dense else [ttt_masks(batch.doc, 1)[0]] * steps
@@ -63,7 +74,10 @@ def ttt_unroll(drafter: Eagle3Drafter, batch: Batch, steps: int):
     offs = torch.arange(steps, device=batch.pos.device).view(steps, 1, 1)
     cos_all, sin_all = (r.to(rdt) for r in drafter.rope(batch.pos[None] + offs))  # [K, B, T, d]
     for k in range(steps):
-        tokens = shift_left(batch.input_ids, 1 + k)  # [B, T]: x_{t+1+k}
+        if k == 0 or later_inputs is None:
+            tokens = shift_left(batch.input_ids, 1 + k)  # [B, T]: x_{t+1+k}
+        else:
+            tokens, hidden = later_inputs(k)
         out = drafter(tokens, hidden, None, attn_mask=masks[k], past_kv=past, return_logits=False,
                       ttt=not dense, rope=(cos_all[k], sin_all[k]))  # positions pos + k: in cos_all[k]
         # Steps >= 1 read step 0's keys in one prepared form (ttt_block): built once per unroll.
@@ -82,7 +96,7 @@ def counted_slots(batch: Batch, steps: int) -> torch.Tensor:
 
 
 def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps: int, decay: float,
-                return_logits: bool = False) -> ObjectiveOut:
+                return_logits: bool = False, later_inputs: LaterInputs | None = None) -> ObjectiveOut:
     B, T = batch.input_ids.shape
     # Every step's counted slots depend on the batch alone: found up front with one nonzero over
     # [K, B*T] (row-major, so each step's slots keep the order of a boolean index), instead of two
@@ -97,7 +111,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps
     fused = fused_loss_on(batch.doc.device) and drafter.lm_head.bias is None
     loss = batch.aux.new_zeros((), dtype=torch.float32)
     ce_sums, corrects, all_logits = [], [], []
-    for k, hidden in enumerate(ttt_unroll(drafter, batch, steps)):
+    for k, hidden in enumerate(ttt_unroll(drafter, batch, steps, later_inputs)):
         rows = rows_k[k]
         sel = hidden.reshape(B * T, -1).index_select(0, slots_k[k])  # [n_k, H]
         if fused:
@@ -118,7 +132,7 @@ def ttt_forward(drafter: Eagle3Drafter, batch: Batch, targets: Targets, *, steps
 
 
 def ttt_forward_static(drafter: Eagle3Drafter, teacher: Teacher, batch: Batch, *, steps: int,
-                       decay: float) -> ObjectiveOut:
+                       decay: float, later_inputs: LaterInputs | None = None) -> ObjectiveOut:
     """The teacher and the unroll's loss with no host sync and no shape that depends on the data, so
     that the forward and backward of a micro-batch can be captured as one CUDA graph (`graphs.py`).
 
@@ -144,7 +158,7 @@ def ttt_forward_static(drafter: Eagle3Drafter, teacher: Teacher, batch: Batch, *
     fused = fused_loss_on(dev) and drafter.lm_head.bias is None
     loss = batch.aux.new_zeros((), dtype=torch.float32)
     ce_sums, corrects = [], []
-    for k, hidden in enumerate(ttt_unroll(drafter, batch, steps)):
+    for k, hidden in enumerate(ttt_unroll(drafter, batch, steps, later_inputs)):
         rows = (base + (slot + 1 + k).clamp(max=T - 1)).view(N)
         h = hidden.reshape(N, -1)
         tgt = t_arg[rows]
@@ -165,12 +179,16 @@ def ttt_forward_static(drafter: Eagle3Drafter, teacher: Teacher, batch: Batch, *
 
 
 class TTTModule(nn.Module):
-    """The whole unroll as one forward, so DDP sees one forward per backward."""
+    """The whole unroll as one forward, so DDP sees one forward per backward. `later_inputs(batch)`,
+    when given, makes the batch's LaterInputs (another family's steps k >= 1)."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float,
+                 later_inputs: Callable[[Batch], LaterInputs] | None = None):
         super().__init__()
         self.drafter = drafter
         self.steps, self.decay = steps, decay
+        self.later_inputs = later_inputs
 
     def forward(self, batch: Batch, targets: Targets) -> ObjectiveOut:
-        return ttt_forward(self.drafter, batch, targets, steps=self.steps, decay=self.decay)
+        later = self.later_inputs(batch) if self.later_inputs is not None else None
+        return ttt_forward(self.drafter, batch, targets, steps=self.steps, decay=self.decay, later_inputs=later)
