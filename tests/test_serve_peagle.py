@@ -6,12 +6,13 @@ answers to the very prompts the tests send, with the P-EAGLE objective, so it ac
 wrong drafting rule to show.
 
 Default suite: ONE server start, the vLLM-format export served with `parallel_drafting: true`
-(`specops serve --detach`): the drafter tier, `eval --url` with the interop check passing (T=0 turn
-by turn and step by step, T=1 in distribution), and the negative control without another server:
-the interop check of the same served turns against the same weights run by EAGLE-3's chain rule
-fails.
+(`specops serve --detach`), and its drafter tier: vLLM's acceptance over a 256-token greedy probe
+equals specops' P-EAGLE loop's on the same answer.
 
-Full suite (`full`), one server each: the same export served as plain EAGLE-3 (no
+Full suite (`full`), on the same server: `eval --url` with the interop check passing (T=0 turn by
+turn and step by step, T=1 in distribution), and the negative control without another server: the
+interop check of the same served turns against the same weights run by EAGLE-3's chain rule fails.
+Then one server each: the same export served as plain EAGLE-3 (no
 parallel_drafting: vLLM skips mask_hidden and drafts a chain) fails the interop check against the
 P-EAGLE loop; an export whose mask_hidden is zeroed fails it too; the speculators-format export
 served as the model (its speculators_model_type "peagle" turns parallel drafting on by itself)
@@ -107,6 +108,7 @@ def test_vllm_serves_the_peagle_export_with_parallel_drafting(served, drafters, 
               f"specops' P-EAGLE loop {drafters['tau'][0]:.3f})")
 
 
+@pytest.mark.full
 def test_interop_check_passes_against_the_peagle_loop(served, drafters, capsys):
     assert served["up"].returncode == 0, "the server did not start (first test)"
     ev, res = served_eval(served["cfg"], "--url", f"http://127.0.0.1:{served['port']}/v1")
@@ -123,6 +125,7 @@ def test_interop_check_passes_against_the_peagle_loop(served, drafters, capsys):
         print(f"\nP-EAGLE served eval (k = {K}): tau T=0 {res['tau_t0']:.3f}, T=1 {res['tau_t1']:.3f}; {it['line']}")
 
 
+@pytest.mark.full
 def test_interop_check_fails_against_the_chain_rule_on_the_same_weights(served, drafters, capsys):
     """The served T=0 turns of the eval above, checked again (in process, no server) against the same
     weights run by EAGLE-3's chain rule (k forwards, each fed the previous draft and output): the
