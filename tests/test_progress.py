@@ -57,6 +57,9 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = str(SRC) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop(P.ENV, None)
     env["TERM"] = "xterm-256color"
+    # rich takes COLUMNS / LINES over the terminal's own size: the pty's 120 columns must win
+    env.pop("COLUMNS", None)
+    env.pop("LINES", None)
     env.update(extra)
     return env
 
