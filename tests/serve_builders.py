@@ -26,7 +26,7 @@ FIT_PROMPTS = tuple(DRAFTER_PROBE_PROMPTS)
 
 @dataclass
 class FittedDrafter:
-    drafter: object  # Eagle3Drafter (PEagleDrafter for family "peagle"), eval mode, fp32
+    drafter: object  # the family's drafter (Eagle3Drafter, PEagleDrafter, DFlashDrafter), eval mode, fp32
     hf_config: dict
     model_dir: Path
     prompts: list[list[int]]  # chat-template ids per prompt
@@ -43,14 +43,15 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_vocab: int = 1024,
                 lr: float = 3e-3, family: str = "eagle3") -> FittedDrafter:
-    """Train a drafter on SmolLM2's greedy answers to FIT_PROMPTS (answer_tokens[i] tokens for prompt i).
-    family "peagle": a P-EAGLE drafter (mask token: SmolLM2's default, train.mask_token_id's
-    resolution), trained with its objective; loop_tau then comes from its one-forward rule."""
+    """Train a drafter on SmolLM2's greedy answers to FIT_PROMPTS (answer_tokens[i] tokens for prompt i)
+    with its family's own objective (train.drafter = `family`; the mask token of "peagle" and
+    "dflash": SmolLM2's default, train.mask_token_id's resolution; DFlash: one layer, k mask slots);
+    loop_tau then comes from the family's drafting rule."""
     from transformers import AutoTokenizer
 
-    from specops.drafter.model import DrafterConfig, Eagle3Drafter
+    from specops.config import TrainSection
     from specops.drafter.batch import Teacher, teacher_targets
-    from specops.drafter.families.eagle3.objective import ttt_forward
+    from specops.drafter.families import family_named
     from specops.drafter.train import Sample, collate
     from specops.evaluate.loop import TargetRunner, speculative_generate, target_generate
     from specops.models import resolve_model_dir
@@ -61,16 +62,14 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     hf = json.loads((md / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(str(md))
     target = load_target(md, "float32", "cpu")
-    later = None
-    if family == "peagle":
-        from specops.drafter.families.peagle import resolve_mask_token_id
-        from specops.drafter.families.peagle.model import PEagleConfig, PEagleDrafter
-        from specops.drafter.families.peagle.objective import mask_later_inputs
-
-        mask_id, _ = resolve_mask_token_id(hf, tok)
-        cfg = PEagleConfig.from_target(hf, draft_vocab, intermediate_size=256, mask_token_id=mask_id)
-    else:
-        cfg = DrafterConfig.from_target(hf, draft_vocab, intermediate_size=256)
+    fam = family_named(family)
+    tc = fam.resolve_train(TrainSection(drafter=family, ttt_steps=k, loss_decay=0.8), hf, lambda: tok)
+    shape = {"intermediate_size": 256}
+    if family == "dflash":
+        shape.update(mask_token_id=int(tc.mask_token_id), num_hidden_layers=1, block_size=k + 1)
+    elif family == "peagle":
+        shape.update(mask_token_id=int(tc.mask_token_id))
+    cfg = fam.config_cls.from_target(hf, draft_vocab, **shape)
     runner = TargetRunner(target, cfg.aux_layer_ids)
     prompts = [chat_ids(tok, p) for p in FIT_PROMPTS[: len(answer_tokens)]]
     answers = [target_generate(runner, p, max_new_tokens=n).tokens for p, n in zip(prompts, answer_tokens)]
@@ -80,9 +79,7 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     vocab = sorted(seen + rest)
     head = load_target_head(md)
     torch.manual_seed(0)
-    d = PEagleDrafter(cfg) if family == "peagle" else Eagle3Drafter(cfg)
-    if family == "peagle":
-        later = mask_later_inputs(d)
+    d = fam.model_cls(cfg)
     d.init_from_target(head.embed.float(), head.lm_head.float(),
                        torch.tensor(vocab) - torch.arange(draft_vocab))
     samples = []
@@ -93,9 +90,10 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     batch = collate([samples])
     teacher = Teacher(head, d.d2t, final_prenorm=True, device=torch.device("cpu"), dtype=torch.float32)
     targets = teacher_targets(teacher, batch)
+    objective = fam.objective(d, tc)
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=lr)
     for _ in range(steps):
-        out = ttt_forward(d, batch, targets, steps=k, decay=0.8, later_inputs=later(batch) if later else None)
+        out = objective(batch, targets)
         opt.zero_grad()
         out.loss.backward()
         opt.step()
@@ -128,17 +126,24 @@ def write_checkpoint(drafter, out: Path, *, aux_layer_ids=None) -> Path:
 def export(fitted: FittedDrafter, out: Path, *, fmt: str = "vllm", drafter=None, aux_layer_ids=None) -> Path:
     """`fitted` (or `drafter`) exported in `fmt` ("vllm" or "speculators"); `aux_layer_ids` overrides
     the ids the export names (a negative control: the drafter was trained on its config's ids)."""
+    from specops.drafter.families import family_of
     from specops.drafter.families.eagle3.export import export_speculators, export_vllm
-    from specops.drafter.families.peagle.model import PEagleDrafter
 
     d = drafter or fitted.drafter
     config = d.config.to_dict()
     if aux_layer_ids is not None:
         config["aux_layer_ids"] = list(aux_layer_ids)
-    if isinstance(d, PEagleDrafter):
+    fam = family_of(d).name
+    if fam == "peagle":
         from specops.drafter.families.peagle.export import export_peagle
 
         return export_peagle(fmt, d.state_dict(), config, out, target_config=fitted.hf_config,
+                             target_name_or_path=str(fitted.model_dir), speculative_tokens=fitted.k,
+                             dtype=torch.float32)
+    if fam == "dflash":
+        from specops.drafter.families.dflash.export import export_dflash
+
+        return export_dflash(fmt, d.state_dict(), config, out, target_config=fitted.hf_config,
                              target_name_or_path=str(fitted.model_dir), speculative_tokens=fitted.k,
                              dtype=torch.float32)
     kw = dict(target_config=fitted.hf_config, aux_layer_ids=config["aux_layer_ids"],

@@ -221,7 +221,7 @@ class ExtractSection:
 
 # The drafter families `train.drafter` may name: the keys of drafter.families.FAMILIES (a test holds
 # the two equal; config stays free of torch, so the names are listed here).
-DRAFTER_FAMILIES = ("eagle3", "peagle")
+DRAFTER_FAMILIES = ("eagle3", "peagle", "dflash")
 
 
 @dataclass(kw_only=True)
@@ -229,20 +229,25 @@ class TrainSection:
     mode: Literal["offline", "online"] = "offline"  # offline: read features/; online: target runs in process
     # The drafter family to train (drafter/families/): "eagle3" drafts a chain of k tokens, one
     # drafter forward each; "peagle" (P-EAGLE) is EAGLE-3's layer drafting all k in one forward
-    # (served by vLLM with parallel_drafting). A checkpoint records its family; export, eval and a
-    # resume rebuild that one.
+    # (served by vLLM with parallel_drafting); "dflash" drafts a block of k tokens in one forward of
+    # its own decoder layers, their queries attending to context keys made from the target's states
+    # (vLLM method "dflash"). A checkpoint records its family; export, eval and a resume rebuild that one.
     drafter: str = "eagle3"
-    # P-EAGLE: the input id of the k-1 mask slots after the last verified token (vLLM reads it from
-    # the export's config.json `mask_token_id`). Any id below the target vocab works: the mask slot
-    # is told apart by its learned hidden input (mask_hidden), and the embedding row is the target's
-    # (frozen, shared by vLLM). None resolves it from the target as speculators' trainer does
-    # (speculators train/utils.py resolve_mask_token_id), so both name the same id for one target:
-    # the tokenizer's mask token, else the first embedding row past the tokenizer's tokens (one no
-    # text ever produces), else its pad, eos, unk token; with no tokenizer, config.json's
-    # pad_token_id, then eos_token_id. SmolLM2: 2 (its pad = eos, <|im_end|>). The id is recorded in
-    # the drafter's config and checked against the target's vocab when training starts.
+    # DFlash: the drafter's decoder layers (each the target's width, Qwen3-shaped: q/k norms)
+    dflash_layers: int = 1
+    # P-EAGLE and DFlash: the input id of the mask slots after the last verified token (P-EAGLE: k-1
+    # of them, DFlash: k; vLLM reads it from the export's config.json `mask_token_id`, DFlash's from
+    # `dflash_config.mask_token_id`). Any id below the target vocab works: P-EAGLE tells a mask slot
+    # apart by its learned hidden input (mask_hidden), DFlash by its place in the block; the
+    # embedding row is the target's (frozen, shared by vLLM). None resolves it from the target as
+    # speculators' trainer does (speculators train/utils.py resolve_mask_token_id), so both name the
+    # same id for one target: the tokenizer's mask token, else the first embedding row past the
+    # tokenizer's tokens (one no text ever produces), else its pad, eos, unk token; with no
+    # tokenizer, config.json's pad_token_id, then eos_token_id. SmolLM2: 2 (its pad = eos,
+    # <|im_end|>). The id is recorded in the drafter's config and checked against the target's vocab
+    # when training starts.
     mask_token_id: int | None = None
-    ttt_steps: int = 7  # training-time-test unroll K (P-EAGLE: the depths scored, = drafts k)
+    ttt_steps: int = 7  # training-time-test unroll K (P-EAGLE: the depths scored; DFlash: mask slots a block)
     loss_decay: float = 0.8  # step k's loss weight is loss_decay**k
     # The recipe defaults are the speculators trainer's (Muon on the layer's matrices, a frozen lm_head,
     # linear decay to 0, clip 1.0, weight decay 0.1, lr 1e-3): on real SmolLM2 data they beat AdamW on
@@ -301,7 +306,7 @@ class TrainSection:
     sdpa_cudnn: bool = False
 
     def __post_init__(self) -> None:
-        for k in ("ttt_steps", "epochs", "batch_tokens", "grad_accum", "log_every", "eval_every",
+        for k in ("ttt_steps", "dflash_layers", "epochs", "batch_tokens", "grad_accum", "log_every", "eval_every",
                   "checkpoint_every", "keep_checkpoints", "total_steps", "max_seq_len", "draft_vocab_size",
                   "graph_bucket", "pack_rows"):
             v = getattr(self, k)
@@ -327,7 +332,7 @@ class TrainSection:
                 raise ConfigError(f"train.mask_token_id: must be a token id >= 0, got {self.mask_token_id}")
             if self.drafter == "eagle3":
                 raise ConfigError("train.mask_token_id: EAGLE-3 drafts from its own tokens and has no mask token; "
-                                  "remove it, or set train.drafter = \"peagle\"")
+                                  "remove it, or set train.drafter = \"peagle\" or \"dflash\"")
 
 
 # Eval prompt sets: the built-in sources meant for evaluation, or "file" (a path is then required).

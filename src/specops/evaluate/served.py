@@ -91,6 +91,9 @@ LIKELY_CAUSES = (
     "the drafting rule: a P-EAGLE drafter (mask_hidden, mask_token_id) served without parallel_drafting "
     "drafts a chain, an EAGLE-3 one served with it drafts from mask slots; or the export's mask_hidden / "
     "mask_token_id are not the trained ones",
+    "DFlash: dflash_config.target_layer_ids count layer outputs (specops' aux ids minus one; vLLM adds one "
+    "back), its mask_token_id is not the trained one, or the block is served causal (layer_types / "
+    "dflash_config.causal)",
 )
 
 

@@ -4,6 +4,8 @@ family a model, an export dir or a training checkpoint holds.
     eagle3/   EAGLE-3: one decoder layer over three fused target states, a chain of k drafts
     peagle/   P-EAGLE: EAGLE-3's layer drafting all k in one forward (a learned mask hidden state and
               a mask token in the k-1 slots after the last verified token; vLLM parallel_drafting)
+    dflash/   DFlash: its own decoder layers drafting a block of k in one forward, the block's
+              queries over context keys made from the target's states (vLLM method "dflash")
 
 `train.drafter` names the family train builds (`FAMILIES`, and config.DRAFTER_FAMILIES for the
 config's own check); a checkpoint's drafter_config.json records it (`checkpoint_family`).
@@ -22,9 +24,10 @@ from ..formats import _Checkpoint
 from .base import CheckReport, DrafterFamily, DrafterRunner, ObjectiveOut, open_drafter_dir
 from .eagle3 import EAGLE3
 from .peagle import PEAGLE
+from .dflash import DFLASH
 
 # Every family by name: `train.drafter` picks one (config.DRAFTER_FAMILIES lists the same names).
-FAMILIES: dict[str, DrafterFamily] = {f.name: f for f in (EAGLE3, PEAGLE)}
+FAMILIES: dict[str, DrafterFamily] = {f.name: f for f in (EAGLE3, PEAGLE, DFLASH)}
 
 # What a training checkpoint's drafter_config.json without a "family" field holds: checkpoints
 # written before train could build another family.

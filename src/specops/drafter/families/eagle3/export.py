@@ -878,8 +878,12 @@ def _check_layer_ids(
 
 
 def export_format(config: Mapping[str, Any], names: set[str]) -> str | None:
-    """"vllm" or "speculators" for a dir with that config.json and those tensor names, else None."""
+    """"vllm" or "speculators" for a dir with that config.json and those tensor names, else None. A
+    speculators dir counts when its type is one whose weights are EAGLE-3's layer (eagle3, and
+    peagle, which vLLM also serves as a chain); another type (dflash) is another family's."""
     fmt = _detect_format(config, names)
+    if fmt == "speculators" and config.get("speculators_model_type") not in SPECULATORS_ARCHS:
+        return None
     return None if fmt == "unknown" else fmt
 
 
@@ -1022,16 +1026,18 @@ def _check_verifier_path(name: Any) -> list[CheckResult]:
                   "or local directory\"); export with the target's model directory")]
 
 
-def _check_speculators_config(config: Mapping[str, Any], kind: str = "eagle3") -> list[CheckResult]:
+def _check_speculators_config(config: Mapping[str, Any], kind: str = "eagle3", *,
+                              arch: str | None = None) -> list[CheckResult]:
     """The structure vLLM's SpeculatorsConfig.validate_speculators_config and speculators' pydantic
-    models require."""
+    models require. `arch`: the architecture speculators writes for `kind` (default SPECULATORS_ARCHS[kind])."""
     out = []
+    arch = arch or SPECULATORS_ARCHS[kind]
     if config.get("speculators_model_type") != kind:
         out.append(_nogo("config.speculators_model_type", f"speculators_model_type "
                          f"{config.get('speculators_model_type')!r} is not {kind!r}"))
-    if config.get("architectures") != [SPECULATORS_ARCHS[kind]]:
+    if config.get("architectures") != [arch]:
         out.append(_warn("config.architectures", f"architectures {config.get('architectures')} is not "
-                         f"{[SPECULATORS_ARCHS[kind]]} (speculators' {kind} config default)"))
+                         f"{[arch]} (speculators' {kind} config default)"))
     if not isinstance(config.get("transformer_layer_config"), Mapping):
         out.append(_nogo("config.transformer_layer_config", "transformer_layer_config must be a dict"))
     elif config["transformer_layer_config"].get("tie_word_embeddings") is True:
