@@ -260,3 +260,61 @@ def test_the_eval_loop_runs_a_trained_dflash_drafter_token_identical_at_t0(train
         assert spec.tokens == base.tokens
         accepted += sum(spec.accepted)
     assert accepted > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_of_the_objective_equal_eager_and_the_runner_matches_the_reference():
+    """On CUDA: DFlash's static objective through GraphedMicroStep (bf16 autocast) replayed as graphs
+    = run eagerly (outputs and accumulated gradients); the runner's drafts on CUDA = the dense
+    reference round's."""
+    from specops.drafter.graphs import GraphedMicroStep
+    from specops.target.inprocess import TargetHead
+
+    from test_train_graphs import _assert_same_steps, _graph_inputs
+
+    dev = torch.device("cuda")
+    batches = _graph_inputs(dev) * 3  # each shape: warm-up, capture + replay, replay
+
+    def run(use_graphs):
+        d = dflash_debug(6, aux_layer_ids=[1, 2, 3]).train().to(dev)
+        head = TargetHead({}, torch.rand(32) + 0.5, 1e-6, torch.randn(96, 32), 3 * torch.randn(96, 32))
+        teacher = Teacher(head, d.d2t, final_prenorm=True, device=dev, dtype=torch.bfloat16)
+        params = [p for p in d.parameters() if p.requires_grad]
+        fn = DFLASH.static_objective(d, teacher, TrainSection(drafter="dflash", ttt_steps=K, loss_decay=0.8))
+        micro = GraphedMicroStep(fn, params, dev, loss_scale=0.5, use_graphs=use_graphs,
+                                 autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False))
+        outs, grads = [], []
+        for i, hb in enumerate(batches):
+            if i % 2 == 0:
+                for p in params:
+                    p.grad.zero_()
+            o = micro.step(hb)
+            outs.append([t.clone() for t in (o.loss, o.ce_sum, o.correct, o.count)])
+            if i % 2 == 1:
+                grads.append([p.grad.clone() for p in params])
+        torch.cuda.synchronize()
+        return outs, grads, micro.summary()
+
+    torch.manual_seed(0)
+    graphs = run(True)
+    torch.manual_seed(0)
+    eager = run(False)
+    assert graphs[2]["on"] and graphs[2]["captured"] == 3 and graphs[2]["replays"] == 9, graphs[2]
+    _assert_same_steps(graphs, eager)
+
+    d = dflash_debug(7).to(dev)
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 96, (30,), generator=g).to(dev)
+    aux = torch.randn(30, 3, d.config.target_hidden_size, generator=g).to(dev)
+    runner = DFLASH.drafter_runner(d, "auto")
+    runner.reset(64)
+    runner.prefill(seq[None, :6], aux[None, :6])
+    P = 5
+    for m in (1, 3, 2):
+        P += m
+        drafts, _ = runner.draft(seq[None, P - m + 1:P + 1], aux[None, P - m:P], P - m, 4, temperature=0.0, gen=None)
+        with torch.no_grad():
+            ref = reference_block(d, aux[:P], torch.arange(P, device=dev), torch.cat([seq[P:P + 1], d.mask_ids(4)]),
+                                  torch.arange(P, P + 5, device=dev))[1:]
+        assert torch.equal(drafts, d.draft_to_target(ref.argmax(-1)))
