@@ -27,8 +27,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Test files that start vLLM servers or fit drafters, longest first: collected first, so that with
 # `--dist loadfile --no-loadscope-reorder` they start at once on separate processes and the short
 # files fill in behind them instead of one long file ending the run alone.
-FIRST = ("test_serve_drafter.py", "test_serve_peagle.py", "test_served_extract.py", "test_served_mla.py",
-         "test_vllm_real.py", "test_vllm_cpu_fixes.py")
+FIRST = ("test_serve_drafter.py", "test_serve_peagle.py", "test_serve_dflash.py", "test_served_extract.py",
+         "test_served_mla.py", "test_vllm_real.py", "test_vllm_cpu_fixes.py")
 
 
 def pytest_collection_modifyitems(config, items):
