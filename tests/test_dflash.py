@@ -318,3 +318,20 @@ def test_cuda_graphs_of_the_objective_equal_eager_and_the_runner_matches_the_ref
             ref = reference_block(d, aux[:P], torch.arange(P, device=dev), torch.cat([seq[P:P + 1], d.mask_ids(4)]),
                                   torch.arange(P, P + 5, device=dev))[1:]
         assert torch.equal(drafts, d.draft_to_target(ref.argmax(-1)))
+
+
+def test_the_export_phase_writes_the_checkpoints_family(trained):
+    """`specops export` on the DFlash campaign: both formats, each read back as DFlash's."""
+    from specops.drafter.export import check_export, run_export
+
+    cfg = load_config(trained["root"] / "ref.toml")
+    out = run_export(cfg, trained["ref"])
+    for fmt in ("vllm", "speculators"):
+        report = check_export(out["exports"][fmt])
+        assert report.ok and report.family is DFLASH and report.format == fmt, report.render()
+        assert report.render().splitlines()[0].endswith(f"dflash {fmt} drafter dir: OK")
+    config = json.loads((Path(out["exports"]["vllm"]) / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    back = DFLASH.drafter_from_export(Path(out["exports"]["vllm"]), target_num_hidden_layers=6,
+                                      target_embed=load_drafter(Path(trained["summary"]["checkpoint"])).embed_tokens.weight)
+    assert type(back) is DFlashDrafter and back.config.num_hidden_layers == 2
