@@ -155,3 +155,24 @@ def test_gate_stops_before_the_phase(tmp_path, tiny_target, monkeypatch):
     m = json.loads((tmp_path / "camp" / "manifest.json").read_text())
     assert m["phases"]["generate"]["state"] == "pending"  # nothing started
     assert not (tmp_path / "camp" / "generate").exists()
+
+
+def test_a_dflash_campaign_runs_every_phase(tmp_path, tiny_target):
+    """train.drafter = "dflash" through `specops run`: the same build and features, a DFlash
+    checkpoint, its two export formats, and an eval that drafts with the DFlash rule."""
+    cfg = make_cfg(tmp_path, tiny_target, train={"drafter": "dflash", "dflash_layers": 1},
+                   eval={"datasets": ["mtbench"], "limit_per_dataset": 1, "k": 2, "max_new_tokens": 12})
+    toml = tmp_path / "campaign.toml"
+    toml.write_text(dump_toml(cfg.to_dict()))
+    out = specops("run", str(toml), "--no-progress", "--json")
+    assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a NO-GO verdict (a 3-step drafter)
+    camp = tmp_path / "camp"
+    m = json.loads((camp / "manifest.json").read_text())
+    assert all(m["phases"][p]["state"] == "done" for p in ORDER), {p: m["phases"][p]["state"] for p in ORDER}
+    ck = json.loads(next((camp / "drafter").glob("checkpoints/*/drafter_config.json")).read_text())
+    assert ck["family"] == "dflash" and ck["num_hidden_layers"] == 1 and ck["block_size"] == 3
+    vllm = json.loads((camp / "drafter" / "export" / "vllm" / "config.json").read_text())
+    assert vllm["architectures"] == ["DFlashDraftModel"]
+    spec = json.loads((camp / "drafter" / "export" / "speculators" / "config.json").read_text())
+    assert spec["speculators_model_type"] == "dflash"
+    assert json.loads((camp / "eval" / "summary.json").read_text())["drafter_family"] == "dflash"

@@ -614,6 +614,7 @@ def _run(cfg: Config, evals: list[DatasetSection], sources: dict[str, Any], seen
         "elapsed_s": round(time.time() - t_phase, 3),
         "target": info["target"],
         "drafter": str(dpath),
+        "drafter_family": info.get("drafter_family"),  # whose drafting rule the loop ran
         "aux_layer_ids": info["aux_layer_ids"],
         "aux_layer_convention": "input-to-layer (= HF hidden_states index)",
         "device": info["device"],
