@@ -33,8 +33,10 @@ K = 3  # mask slots a block in the unit tests
 
 
 def dflash_debug(seed: int = 0, **kw) -> DFlashDrafter:
+    """A tiny DFlash drafter (DFlashConfig.debug, aux ids [1, 2, 3] unless kw names others) with a
+    random d2t and its norms away from 1 (a skipped one shows)."""
     torch.manual_seed(seed)
-    cfg = DFlashConfig.debug(aux_layer_ids=[1, 2, 3], block_size=K + 1, **kw)
+    cfg = DFlashConfig.debug(**{"aux_layer_ids": [1, 2, 3], "block_size": K + 1, **kw})
     d = DFlashDrafter(cfg).eval()
     with torch.no_grad():
         ids = torch.randperm(cfg.target_vocab_size, generator=torch.Generator().manual_seed(seed))

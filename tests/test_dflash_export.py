@@ -23,6 +23,8 @@ from specops.drafter.families.dflash.export import (
 from specops.drafter.families.dflash.model import DFlashConfig, DFlashDrafter
 from specops.drafter.formats import ExportError
 
+from test_dflash import dflash_debug as tiny_dflash
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny matmuls, a shared 2-core box
 
 L = 6  # target layers (DFlashConfig.debug's target_num_hidden_layers)
@@ -35,16 +37,7 @@ TARGET = {
 
 
 def dflash_debug(seed: int = 0, **kw) -> DFlashDrafter:
-    torch.manual_seed(seed)
-    cfg = DFlashConfig.debug(aux_layer_ids=AUX, **kw)
-    d = DFlashDrafter(cfg).eval()
-    with torch.no_grad():  # a random d2t: draft id i is not target id i
-        ids = torch.randperm(cfg.target_vocab_size, generator=torch.Generator().manual_seed(seed))
-        d.set_vocab(ids[: cfg.draft_vocab_size].sort().values - torch.arange(cfg.draft_vocab_size))
-        for n, p in d.named_parameters():  # norms away from 1, so a skipped one shows
-            if n.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return d
+    return tiny_dflash(seed, **{"aux_layer_ids": AUX, **kw})
 
 
 @pytest.fixture(scope="module")

@@ -529,6 +529,19 @@ class DraftOut(NamedTuple):
     kv: tuple[torch.Tensor, torch.Tensor]  # this call's (k, v), [B, nkv, T, head_dim], k after RoPE
 
 
+def register_vocab_and_rope(module: nn.Module, cfg: DrafterConfig) -> None:
+    """The buffers every drafter model keeps: d2t int64 [draft_vocab] and t2d bool [target_vocab]
+    (the identity vocab until set_vocab: draft id i is target id i), RoPE's inv_freq [head_dim/2]
+    (not saved) and its cos/sin scale."""
+    module.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+    t2d = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
+    t2d[: cfg.draft_vocab_size] = True
+    module.register_buffer("t2d", t2d)
+    inv_freq, scale = _rope_inv_freq(cfg)
+    module.register_buffer("inv_freq", inv_freq, persistent=False)
+    module.rope_scale = scale
+
+
 class Eagle3Drafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -539,14 +552,7 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        # Identity vocab until set_vocab(): draft id i is target id i.
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        t2d = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
-        t2d[: cfg.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
-        inv_freq, scale = _rope_inv_freq(cfg)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.rope_scale = scale
+        register_vocab_and_rope(self, cfg)
         self.reset_parameters()
 
     @torch.no_grad()

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...model import DrafterConfig, Eagle3Drafter, RMSNorm, _rope_inv_freq, _rotate_half
+from ...model import DrafterConfig, Eagle3Drafter, RMSNorm, _rotate_half, register_vocab_and_rope
+from ..peagle.model import check_mask_token_id
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "ContextKV", "FINAL_NORM_INIT", "block_attention"]
 
@@ -60,11 +61,7 @@ class DFlashConfig(DrafterConfig):
             raise ValueError(f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (the bonus slot and a mask slot), got {self.block_size}")
-        if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int):
-            raise ValueError(f"mask_token_id must be an int, got {self.mask_token_id!r}")
-        if not 0 <= self.mask_token_id < self.target_vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocab "
-                             f"[0, {self.target_vocab_size})")
+        check_mask_token_id(self.mask_token_id, self.target_vocab_size)
 
     @classmethod
     def debug(cls, **overrides: Any) -> "DFlashConfig":
@@ -186,24 +183,11 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        t2d = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
-        t2d[: cfg.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
-        inv_freq, scale = _rope_inv_freq(cfg)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.rope_scale = scale
+        register_vocab_and_rope(self, cfg)
         self.reset_parameters()
 
-    @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                m.weight.normal_(0.0, std)
-            elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
-
-    # the vocab map and RoPE: EAGLE-3's (the same buffers and names)
+    # the init, the vocab map and RoPE: EAGLE-3's (the same buffers and names)
+    reset_parameters = Eagle3Drafter.reset_parameters
     set_vocab = Eagle3Drafter.set_vocab
     draft_to_target = Eagle3Drafter.draft_to_target
     rope = Eagle3Drafter.rope

@@ -18,17 +18,21 @@ from torch import nn
 from ...model import DrafterConfig, Eagle3Drafter
 
 
+def check_mask_token_id(token: Any, target_vocab_size: int) -> None:
+    """A drafter config's mask_token_id: an int id of the target vocab, else ValueError."""
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise ValueError(f"mask_token_id must be an int, got {token!r}")
+    if not 0 <= token < target_vocab_size:
+        raise ValueError(f"mask_token_id {token} is outside the target vocab [0, {target_vocab_size})")
+
+
 @dataclass(kw_only=True)
 class PEagleConfig(DrafterConfig):
     mask_token_id: int  # a target-vocab id: the input token of every mask slot
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int):
-            raise ValueError(f"mask_token_id must be an int, got {self.mask_token_id!r}")
-        if not 0 <= self.mask_token_id < self.target_vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocab "
-                             f"[0, {self.target_vocab_size})")
+        check_mask_token_id(self.mask_token_id, self.target_vocab_size)
 
     @classmethod
     def debug(cls, **overrides: Any) -> "PEagleConfig":
@@ -50,4 +54,4 @@ class PEagleDrafter(Eagle3Drafter):
         return ids, self.fuse(self.mask_hidden).expand(rows, n, -1)
 
 
-__all__ = ["PEagleConfig", "PEagleDrafter"]
+__all__ = ["PEagleConfig", "PEagleDrafter", "check_mask_token_id"]
