@@ -172,3 +172,32 @@ def prompt_file(path: Path, n: int) -> Path:
     """FIT_PROMPTS[:n] as a prompt file (one {"prompt": ...} per line): an eval dataset."""
     path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(FIT_PROMPTS[:n])))
     return path
+
+
+def recheck_served(res: dict, prompt_ids: list[list[int]], reference: Path, model_dir: Path, *, k: int,
+                   max_new_tokens: int) -> dict:
+    """The interop check of a served eval's T=0 turns (`res`: its eval/served.json) run again in
+    process against the drafter checkpoint `reference`, no server: what a negative control needs
+    when the served side is the same and only the loop's drafter differs."""
+    from specops.drafter.checkpoint import load_drafter
+    from specops.evaluate.served import TurnResult, _GenerationConfigOnly, interop_check
+    from specops.evaluate.specdec import _eos_ids
+    from specops.target.hf import load_tokenizer
+    from specops.target.inprocess import load_target
+
+    turns = []
+    for r, prompt in zip(res["rows"], prompt_ids):
+        assert r["prompt_tokens"] == len(prompt)  # the eval's chat template is the fit's
+        turns.append(TurnResult(index=r["index"], dataset=r["dataset"], id=r["id"], turn=r["turn"], prompt=prompt,
+                                tokens=r["tokens"], finish_reason=r["finish_reason"], wall_s=r["wall_s"],
+                                drafts=r["drafts"], accepted=r["accepted"], per_position=r["per_position"],
+                                per_step_accepted=r["per_step_accepted"]))
+    eos = _eos_ids(_GenerationConfigOnly(model_dir), load_tokenizer(model_dir))
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # as served_eval's subprocess: two busy-waiting threads on a shared box are slower
+    try:
+        return interop_check(turns, target=load_target(model_dir, "float32", "cpu"),
+                             drafter=load_drafter(reference).eval(), k=k, max_new_tokens=max_new_tokens, eos=eos,
+                             tolerance=0.05)
+    finally:
+        torch.set_num_threads(n)

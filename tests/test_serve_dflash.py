@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve_builders import export, fit_drafter, prompt_file, shifted, write_checkpoint
+from serve_builders import export, fit_drafter, prompt_file, recheck_served, shifted, write_checkpoint
 from specops.serverproc import free_port
 from test_serve_drafter import K, SERVE_ARGS, served_eval, stop
 
@@ -127,24 +127,10 @@ def test_interop_check_fails_against_shifted_aux_layer_ids(served, drafters, cap
     """The served T=0 turns of the eval above, checked again in process against the same weights
     naming aux ids shifted by one (the DFlash layer-id slip: output-of-layer ids written where
     input-to-layer ids belong): tau drops, the check fails."""
-    from specops.drafter.checkpoint import load_drafter
-    from specops.evaluate.served import TurnResult, _GenerationConfigOnly, interop_check
-    from specops.evaluate.specdec import _eos_ids
-    from specops.target.hf import load_tokenizer
-    from specops.target.inprocess import load_target
-
     res = served["eval"]
     assert res is not None, "the served eval did not run (previous test)"
-    md = drafters["model_dir"]
-    turns = [TurnResult(index=r["index"], dataset=r["dataset"], id=r["id"], turn=r["turn"], prompt=prompt,
-                        tokens=r["tokens"], finish_reason=r["finish_reason"], wall_s=r["wall_s"], drafts=r["drafts"],
-                        accepted=r["accepted"], per_position=r["per_position"],
-                        per_step_accepted=r["per_step_accepted"])
-             for r, prompt in zip(res["rows"], drafters["prompt_ids"])]
-    wrong = load_drafter(drafters["shifted_checkpoint"]).eval()
-    eos = _eos_ids(_GenerationConfigOnly(md), load_tokenizer(md))
-    it = interop_check(turns, target=load_target(md, "float32", "cpu"), drafter=wrong, k=K,
-                       max_new_tokens=EVAL_TOKENS, eos=eos, tolerance=0.05)
+    it = recheck_served(res, drafters["prompt_ids"], drafters["shifted_checkpoint"], drafters["model_dir"], k=K,
+                        max_new_tokens=EVAL_TOKENS)
     assert it["loop_drafter_family"] == "dflash" and it["identical_turns"] == len(ANSWERS), it["line"]
     assert not it["ok"] and it["tau_served"] - it["tau_loop"] > 0.1, it["line"]
     with capsys.disabled():

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_builders import export, fit_drafter, prompt_file, scrambled_d2t, shifted, write_checkpoint
+from serve_builders import export, fit_drafter, prompt_file, recheck_served, scrambled_d2t, shifted, write_checkpoint
 from specops.serverproc import free_port
 
 pytestmark = pytest.mark.vllm
@@ -63,7 +63,7 @@ def drafters(tmp_path_factory):
             "shifted_checkpoint": write_checkpoint(f.drafter, root / "shifted-checkpoint",
                                                    aux_layer_ids=shifted(aux)),
             "prompts": prompt_file(root / "prompts.jsonl", len(ANSWERS)), "tau": f.loop_tau,
-            "aux_layer_ids": aux}
+            "aux_layer_ids": aux, "prompt_ids": f.prompts, "model_dir": f.model_dir}
 
 
 def campaign_toml(path, vllm_python, port, drafter, shared_data, drafters, *, reference=None) -> str:
@@ -179,6 +179,7 @@ def test_eval_url_interop_check_passes_at_t0_and_t1(served, drafters, capsys):
     T=0 turn by turn and step by step, at T=1 tau against the loop's under vLLM's rule."""
     assert served["up"].returncode == 0, "the server did not start (first test)"
     ev, res = served_eval(served["cfg"], "--url", f"http://127.0.0.1:{served['port']}/v1")
+    served["eval"] = res
     assert ev.returncode == 0, ev.stdout + ev.stderr[-4000:]  # no baseline: speed not judged, interop passes
     assert "NOT JUDGED: interop check pass" in ev.stdout, ev.stdout
     it = res["interop"]
@@ -200,10 +201,25 @@ def test_eval_url_interop_check_passes_at_t0_and_t1(served, drafters, capsys):
               f"{it['line']}")
 
 
-def test_interop_check_fails_against_a_reference_with_shifted_aux_layer_ids(served, drafters, tmp_path,
-                                                                          vllm_python, shared_data):
-    """The same server, the loop's reference naming aux layer ids one off (the weights are the
-    served drafter's): served != loop, the check fails and names the aux layer ids among the causes."""
+def test_interop_check_fails_against_a_reference_with_shifted_aux_layer_ids(served, drafters):
+    """The served T=0 turns of the eval above, checked again in process (no server, no new requests)
+    against a reference naming aux layer ids one off (the weights are the served drafter's): served
+    != loop, the check fails and names the aux layer ids among the causes."""
+    res = served.get("eval")
+    assert res is not None, "the served eval did not run (previous test)"
+    it = recheck_served(res, drafters["prompt_ids"], drafters["shifted_checkpoint"], drafters["model_dir"], k=K,
+                        max_new_tokens=EVAL_TOKENS)
+    assert json.loads((drafters["shifted_checkpoint"] / "drafter_config.json").read_text())["aux_layer_ids"] == \
+        shifted(drafters["aux_layer_ids"])
+    assert not it["ok"] and it["tau_served"] - it["tau_loop"] > 0.1, it["line"]  # the loop reads other layers
+    assert it["identical_turns"] == len(ANSWERS)  # greedy output is the target's either way
+    assert any(c.startswith("aux layer ids") for c in it["likely_causes"])
+
+
+@pytest.mark.full
+def test_eval_url_with_a_shifted_reference_fails_and_says_no_go(served, drafters, tmp_path, vllm_python, shared_data):
+    """`specops eval --url` on the same server with the loop's reference naming aux layer ids one
+    off: exit 1, the interop check FAIL and the NO-GO verdict on the terminal."""
     assert served["up"].returncode == 0, "the server did not start (first test)"
     cfg = campaign_toml(tmp_path / "c.toml", vllm_python, served["port"], drafters["vllm"], shared_data,
                         drafters, reference=drafters["shifted_checkpoint"])

@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve_builders import export, fit_drafter, prompt_file, write_checkpoint
+from serve_builders import export, fit_drafter, prompt_file, recheck_served, write_checkpoint
+from specops.drafter.checkpoint import load_drafter
 from specops.serverproc import free_port
 from test_serve_drafter import K, SERVE_ARGS, served_eval, stop
 
@@ -131,27 +132,11 @@ def test_interop_check_fails_against_the_chain_rule_on_the_same_weights(served, 
     weights run by EAGLE-3's chain rule (k forwards, each fed the previous draft and output): the
     tokens agree (greedy output is the target's), tau does not, the check fails and names the
     drafting rule among the causes."""
-    from specops.drafter.checkpoint import load_drafter
-    from specops.evaluate.served import TurnResult, _GenerationConfigOnly, interop_check
-    from specops.evaluate.specdec import _eos_ids
-    from specops.target.hf import load_tokenizer
-    from specops.target.inprocess import load_target
-
     res = served["eval"]
     assert res is not None, "the served eval did not run (previous test)"
-    md = drafters["model_dir"]
-    turns = []
-    for r, prompt in zip(res["rows"], drafters["prompt_ids"]):
-        assert r["prompt_tokens"] == len(prompt)  # the eval's chat template is the fit's
-        turns.append(TurnResult(index=r["index"], dataset=r["dataset"], id=r["id"], turn=r["turn"], prompt=prompt,
-                                tokens=r["tokens"], finish_reason=r["finish_reason"], wall_s=r["wall_s"],
-                                drafts=r["drafts"], accepted=r["accepted"], per_position=r["per_position"],
-                                per_step_accepted=r["per_step_accepted"]))
-    chain = load_drafter(drafters["chain_checkpoint"]).eval()
-    assert type(chain).__name__ == "Eagle3Drafter"
-    eos = _eos_ids(_GenerationConfigOnly(md), load_tokenizer(md))
-    it = interop_check(turns, target=load_target(md, "float32", "cpu"), drafter=chain, k=K,
-                       max_new_tokens=EVAL_TOKENS, eos=eos, tolerance=0.05)
+    assert type(load_drafter(drafters["chain_checkpoint"])).__name__ == "Eagle3Drafter"
+    it = recheck_served(res, drafters["prompt_ids"], drafters["chain_checkpoint"], drafters["model_dir"], k=K,
+                        max_new_tokens=EVAL_TOKENS)
     assert it["identical_turns"] == len(ANSWERS), it["line"]  # the same prompts: the target's own tokens
     assert it["loop_drafter_family"] == "eagle3"
     assert not it["ok"] and it["tau_served"] - it["tau_loop"] > 0.1, it["line"]
