@@ -27,10 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ...model import DrafterConfig, Eagle3Drafter, RMSNorm, _rotate_half, register_vocab_and_rope
+from ...model import MLP, DrafterConfig, Eagle3Drafter, RMSNorm, _rotate_half, register_vocab_and_rope
 from ..peagle.model import check_mask_token_id
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "ContextKV", "FINAL_NORM_INIT", "block_attention"]
@@ -144,24 +143,13 @@ class DFlashAttention(nn.Module):
         return self.o_proj(o.permute(0, 2, 3, 1, 4).reshape(B, A, L, self.nh * self.d))
 
 
-class DFlashMLP(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DFlashAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DFlashMLP(cfg)
+        self.mlp = MLP(cfg)  # EAGLE-3's SiLU-gated MLP: the same names and shapes
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ContextKV,
                 ctx_mask: torch.Tensor | None) -> torch.Tensor:
