@@ -136,6 +136,13 @@ class ServeSection:
     python: str | None = None  # interpreter with vLLM/SGLang installed; default: this one
     host: str = "127.0.0.1"  # loopback unless you mean otherwise
     port: int = 8000
+    # The environment variable holding the server's key (never the key): the engine gets it (vLLM
+    # from its environment, SGLang on its command line) and every specops client of the server
+    # sends it (auth.py). A non-loopback host without one is refused unless allow_unauthenticated.
+    api_key_env: str | None = None
+    # Serve a non-loopback host without a key (a warning in preflight, status and the manifest);
+    # served extract is refused so whatever this says.
+    allow_unauthenticated: bool = False
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     max_model_len: int | None = None
@@ -590,6 +597,11 @@ def _check_positive(value: float | int | None, key: str, *, allow_zero: bool = F
         raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
+def _check_env_name(name: str | None, key: str) -> None:
+    if name is not None and not (name and name.replace("_", "").isalnum() and not name[0].isdigit()):
+        raise ConfigError(f"{key}: expected the NAME of an environment variable, got {name!r}")
+
+
 def _validate(cfg: Config) -> None:
     base = cfg.source_path.parent if cfg.source_path else Path.cwd()
 
@@ -617,10 +629,7 @@ def _validate(cfg: Config) -> None:
             if not (url.startswith("http://") or url.startswith("https://")):
                 raise ConfigError(f"engine.endpoints[{i}]: expected an http(s) URL, got {url!r}")
         e.endpoints = [u.rstrip("/") for u in e.endpoints]
-    if e.api_key_env is not None and not e.api_key_env.replace("_", "").isalnum():
-        raise ConfigError(
-            f"engine.api_key_env: expected the NAME of an environment variable, got {e.api_key_env!r}"
-        )
+    _check_env_name(e.api_key_env, "engine.api_key_env")
     for k in ("connect_timeout_s", "read_timeout_s", "backoff_base_s", "backoff_max_s"):
         _check_positive(getattr(e, k), f"engine.{k}")
     for k in ("max_attempts", "batch_size", "max_model_len"):
@@ -657,6 +666,17 @@ def _validate(cfg: Config) -> None:
     sv = cfg.serve
     if not 0 < sv.port < 65536:
         raise ConfigError(f"serve.port: must be a TCP port, got {sv.port}")
+    if not sv.host.strip():
+        raise ConfigError("serve.host: empty; give an address to bind (127.0.0.1 for this machine only)")
+    _check_env_name(sv.api_key_env, "serve.api_key_env")
+    # A key written into the config would be copied into the campaign (campaign.toml, manifest).
+    if "VLLM_API_KEY" in sv.env:
+        raise ConfigError("serve.env.VLLM_API_KEY: the key would be written into the campaign's files; "
+                          "name its environment variable in serve.api_key_env instead")
+    for a in sv.extra_args:
+        if a == "--api-key" or a.startswith(("--api-key=", "--api_key")):
+            raise ConfigError(f"serve.extra_args: {a.split('=')[0]} puts the key into the campaign's files and "
+                              "the recorded command line; name its environment variable in serve.api_key_env")
     for k in ("tensor_parallel_size", "data_parallel_size", "startup_timeout_s", "num_speculative_tokens"):
         _check_positive(getattr(sv, k), f"serve.{k}")
     if sv.drafter is not None:

@@ -309,16 +309,14 @@ def check_gpus_free(cfg: Config, gpu_source=None) -> None:
         raise SpecopsError("refusing to start the server: " + "; ".join(r.message for r in bad))
 
 
-def start(cfg: Config, campaign: Campaign, *, on_poll: Callable[[VllmServer, float], None] | None = None,
-          gpu_source=None, with_drafter: bool = True,
-          features: tuple[list[int], int, Path] | None = None) -> VllmServer:
-    """Launch [serve] and wait until it is up (`with_drafter=False`: the target alone;
-    `features`: serving EAGLE-3 features for served extract, see `server_argv`)."""
-    model_dir = resolve_model_dir(cfg.target.model)
-    # a bad drafter is refused before anything starts
-    drafter = resolve_drafter(cfg, model_dir) if with_drafter and features is None else None
-    check_engine_config(model_dir)
-    check_gpus_free(cfg, gpu_source)
+def launch_spec(cfg: Config, model_dir: Path, drafter: ServedDrafter | None = None, *, with_drafter: bool = True,
+                features: tuple[list[int], int, Path] | None = None,
+                key: str | None = None) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """(argv, the environment the server gets on top of this one's, what of it to show) for
+    [serve]: `server_argv` plus the server's key (`key`, auth.server_auth: vLLM's from its
+    environment, SGLang's on its command line), specops' plugins on PYTHONPATH and CUDA_VISIBLE_DEVICES."""
+    from .auth import server_auth
+
     sv = cfg.serve
     env = dict(sv.env)
     if features is not None:  # specops' connector module (target/vllm_plugin) is imported by the server
@@ -326,7 +324,6 @@ def start(cfg: Config, campaign: Campaign, *, on_poll: Callable[[VllmServer, flo
 
         path = [str(PLUGIN_DIR), env.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or ""]
         env["PYTHONPATH"] = ":".join(x for x in path if x)
-        Path(features[2]).mkdir(parents=True, exist_ok=True)
     if sv.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in sv.gpus)
     added: dict[str, str] = {}
@@ -337,17 +334,56 @@ def start(cfg: Config, campaign: Campaign, *, on_poll: Callable[[VllmServer, flo
         # specops' vLLM plugin with the CPU build's corrections (target/vllm_cpu_fixes)
         path = [str(CPU_FIXES_DIR), env.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or ""]
         env["PYTHONPATH"] = added["PYTHONPATH"] = ":".join(x for x in path if x)
+    argv = server_argv(cfg, model_dir, drafter, with_drafter=with_drafter, features=features)
+    auth_argv, auth_env = server_auth(sv.engine, key, env.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or "")
+    env.update(auth_env)
+    if "PYTHONPATH" in auth_env:
+        added["PYTHONPATH"] = auth_env["PYTHONPATH"]
+    return argv + auth_argv, env, added
+
+
+def start(cfg: Config, campaign: Campaign, *, on_poll: Callable[[VllmServer, float], None] | None = None,
+          gpu_source=None, with_drafter: bool = True,
+          features: tuple[list[int], int, Path] | None = None) -> VllmServer:
+    """Launch [serve] and wait until it is up (`with_drafter=False`: the target alone;
+    `features`: serving EAGLE-3 features for served extract, see `server_argv`). A non-loopback
+    host without a key is refused first (auth.check_exposure); the server's `api_key` is what its
+    clients send."""
+    from .auth import check_exposure, mask, serve_key
+
+    exposed = check_exposure(cfg, features=features is not None)
+    key = serve_key(cfg)
+    model_dir = resolve_model_dir(cfg.target.model)
+    # a bad drafter is refused before anything starts
+    drafter = resolve_drafter(cfg, model_dir) if with_drafter and features is None else None
+    check_engine_config(model_dir)
+    check_gpus_free(cfg, gpu_source)
+    sv = cfg.serve
+    if exposed.status == "warn":
+        print(f"warning: {exposed.message}", file=sys.stderr, flush=True)
+    argv, env, added = launch_spec(cfg, model_dir, drafter, with_drafter=with_drafter, features=features, key=key)
+    if features is not None:
+        Path(features[2]).mkdir(parents=True, exist_ok=True)
     campaign.run_dir.mkdir(parents=True, exist_ok=True)
     log_path = campaign.run_dir / f"serve-{sv.port}.log"
-    argv = server_argv(cfg, model_dir, drafter, with_drafter=with_drafter, features=features)
     srv = launch_server(argv, host=sv.host, port=sv.port, served_name=served_name(cfg.target.model,
                         cfg.target.served_name), model_dir=model_dir, log_path=log_path, env=env,
-                        timeout=sv.startup_timeout_s, on_poll=on_poll)
+                        timeout=sv.startup_timeout_s, on_poll=on_poll, api_key=key)
+    auth = {"host": sv.host, "port": sv.port, "engine": sv.engine, **exposed.to_json(), "started": now_iso()}
     atomic_write_json(campaign.run_dir / f"serve-{sv.port}.json",
-                      {"pid": srv.pid, "pgid": srv.pgid, "url": srv.url, "argv": argv, "started": now_iso(),
+                      {"pid": srv.pid, "pgid": srv.pgid, "url": srv.url, "argv": mask(argv, key), "started": now_iso(),
                        "startup_s": srv.startup_s, "log": str(log_path), "env_added": added,
-                       "drafter": drafter.to_json() if drafter is not None else None})
+                       "drafter": drafter.to_json() if drafter is not None else None, "auth": auth})
+    _note_server(campaign, auth)
     return srv
+
+
+def _note_server(campaign: Campaign, entry: dict) -> None:
+    """The last server started on each port and how it is exposed, in the manifest ("serve"):
+    `status` repeats its warning."""
+    m = campaign.read_manifest() or {"phases": {}}
+    m.setdefault("serve", {})[str(entry["port"])] = entry
+    campaign.write_manifest(m)
 
 
 def follow_log(prefix: str = "  ") -> Callable[[VllmServer, float], None]:

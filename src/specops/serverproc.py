@@ -29,6 +29,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .auth import auth_headers, mask, server_auth
 from .errors import SpecopsError
 
 __all__ = [
@@ -170,9 +171,11 @@ class VllmServer:
         model_dir: Path,
         log_path: Path,
         log_offset: int = 0,
+        api_key: str | None = None,
     ) -> None:
         self.proc = proc
-        self.argv = list(argv)
+        self.argv = mask(argv, api_key)  # what may be recorded: the key masked
+        self.api_key = api_key  # what its clients send (auth.auth_headers); never in repr or argv
         self.host = host
         self.port = port
         self.served_name = served_name
@@ -223,7 +226,7 @@ class VllmServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def _get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.base_url + path, method="GET")
+        req = urllib.request.Request(self.base_url + path, method="GET", headers=auth_headers(self.api_key))
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status, resp.read()
@@ -333,14 +336,17 @@ def start_vllm_server(
     env: Mapping[str, str] | None = None,
     python: str | os.PathLike[str] | None = None,
     timeout: float = 240.0,
+    api_key: str | None = None,
 ) -> VllmServer:
     """Launch vLLM's OpenAI API server for `model_dir` and wait until it serves `served_name`.
 
     `port=None` picks a free port. `dtype`, `max_model_len` and `enforce_eager` map to their flags
     (None/False leaves a flag out); `extra_args` are appended verbatim. `env` overrides the
     environment (which starts from DEFAULT_ENV, then os.environ). stdout and stderr go to
-    `log_path` (appended to). Raises VllmServerError, with the log tail, when the server exits or
-    is not ready within `timeout` seconds; the process group is killed in that case.
+    `log_path` (appended to). `api_key`: the server asks for it on every path but /health, from
+    its environment (auth.server_auth), and the readiness polls send it. Raises VllmServerError,
+    with the log tail, when the server exits or is not ready within `timeout` seconds; the process
+    group is killed in that case.
     """
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
@@ -366,9 +372,13 @@ def start_vllm_server(
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
     argv += [str(a) for a in extra_args]
+    env = dict(env or {})
+    auth_argv, auth_env = server_auth("vllm", api_key, env.get("PYTHONPATH") or os.environ.get("PYTHONPATH") or "")
+    argv += auth_argv
+    env.update(auth_env)
 
     return launch_server(argv, host=host, port=port, served_name=served_name, model_dir=model_dir,
-                         log_path=log_path, env=env, timeout=timeout)
+                         log_path=log_path, env=env, timeout=timeout, api_key=api_key)
 
 
 def launch_server(
@@ -382,18 +392,23 @@ def launch_server(
     env: Mapping[str, str] | None = None,
     timeout: float = 240.0,
     on_poll=None,
+    api_key: str | None = None,
 ) -> VllmServer:
     """Start any OpenAI-compatible server command (vLLM, SGLang) in its own session and process
     group, logging to `log_path`, and wait until /health is 200 and /v1/models lists
     `served_name`. `on_poll(server, elapsed_s)` is called between readiness polls (to follow the
-    load). On failure or Ctrl-C the whole group is killed."""
+    load). `api_key`: the server's key (auth.server_auth put it into `argv` or `env`), sent by
+    the readiness polls and masked in the log's command line. A VLLM_API_KEY of the calling
+    environment reaches the server only through `env`. On failure or Ctrl-C the whole group is
+    killed."""
     argv = [str(a) for a in argv]
-    child_env = {**DEFAULT_ENV, **os.environ, **(env or {})}
+    inherited = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    child_env = {**DEFAULT_ENV, **inherited, **(env or {})}
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         offset = log.tell()
-        log.write(f"# specops: {' '.join(argv)}\n".encode())
+        log.write(f"# specops: {' '.join(mask(argv, api_key))}\n".encode())
         log.flush()
         proc = subprocess.Popen(
             argv,
@@ -413,6 +428,7 @@ def launch_server(
         model_dir=Path(model_dir),
         log_path=log_path,
         log_offset=offset,
+        api_key=api_key,
     )
     try:
         server.wait_ready(timeout, on_poll=on_poll)
