@@ -78,8 +78,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_health(args: argparse.Namespace) -> int:
-    import os
-
+    from .auth import client_key
     from .checks.server import check_endpoint_sync
     from .errors import ConfigError
 
@@ -90,13 +89,15 @@ def _cmd_health(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
         urls = [args.url] if args.url else cfg.engine.endpoints
         model = args.model or served_name(cfg.target.model, cfg.target.served_name)
-        key = os.environ.get(cfg.engine.api_key_env) if cfg.engine.api_key_env else None
+        key = client_key(cfg)
     else:
         if not (args.url and args.model):
             raise ConfigError("health: give a campaign.toml, or both --url and --model")
         urls, model, key = [args.url], args.model, None
     if args.api_key_env:
-        key = os.environ.get(args.api_key_env)
+        from .auth import env_key
+
+        key = env_key("--api-key-env", args.api_key_env)
     if not urls:
         raise ConfigError("engine.endpoints: no endpoint to check (engine.kind is not 'openai')")
     # --drafter: the server must speculate; otherwise the drafter tier runs where the server shows
@@ -124,6 +125,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from .config import load_config
 
     cfg = load_config(args.config)
+    if not args.stop:  # an exposed host without a key is refused before the campaign is touched
+        from .auth import check_exposure
+
+        check_exposure(cfg, features=args.features)
     camp = Campaign.create_or_open(cfg)
     if args.stop:
         print(serve.stop_recorded(camp, cfg.serve.port))
@@ -151,7 +156,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"drafter: {d['path']} ({d['format']} format, {d['num_speculative_tokens']} speculative tokens"
               f"{', served as the model' if d['served_as_model'] else ''})", flush=True)
     # With a drafter the health check includes the drafter tier: its counters must move and accept.
-    rep = check_endpoint_sync(srv.url, expected_model=srv.served_name, progress_window_s=0.5,
+    rep = check_endpoint_sync(srv.url, expected_model=srv.served_name, api_key=srv.api_key, progress_window_s=0.5,
                               drafter=cfg.serve.drafter is not None and features is None)
     from rich.console import Console
 

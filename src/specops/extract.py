@@ -873,8 +873,11 @@ def _served_target(cfg: Config, campaign: Campaign, model_dir: Path, text_cfg: A
         srv = start(cfg, campaign, features=(layer_ids, int(text_cfg.num_hidden_layers), storage))
         stack.callback(srv.stop)
         log.info("served extract: %s up in %.0f s", srv.url, srv.startup_s)
-        urls = [srv.url]
-    key = os.environ.get(cfg.engine.api_key_env) if cfg.engine.api_key_env else None
+        urls, key = [srv.url], srv.api_key
+    else:
+        from .auth import client_key
+
+        key = client_key(cfg)
     cls: type[ServedTarget] = ServedTarget
     if cfg.serve.engine == "sglang":  # the engine extract starts, and the one behind server_urls
         from .target.served_sglang import ServedSglangTarget

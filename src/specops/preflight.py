@@ -110,6 +110,19 @@ def _engine_config_check(config: dict[str, Any] | None) -> list[CheckResult]:
     return [CheckResult("model.engine_config", "go", f"routing stated for the engines: {keys}")]
 
 
+def _serve_checks(cfg: Config, phases: list[str], env: Mapping[str, str] | None) -> list[CheckResult]:
+    """[serve]'s host against its key (auth.exposure): what `specops serve`, the served eval and
+    served extract would refuse is a no-go here. Judged as served extract when a planned extract
+    starts [serve] itself (extract.mode = "served" without extract.server_urls)."""
+    from .auth import exposure
+
+    features = "extract" in phases and cfg.extract.mode == "served" and not cfg.extract.server_urls
+    e = exposure(cfg, features=features, environ=env)
+    data = {**e.to_json(), "host": cfg.serve.host, "port": cfg.serve.port, "engine": cfg.serve.engine,
+            "served_extract": features}
+    return [CheckResult("serve.exposure", e.status, e.message, data)]
+
+
 def _remote_code_check(cfg: Config, phases: list[str], model_dir: Path, tok_dir: Path,
                        need_tok: bool) -> list[CheckResult]:
     """The Python a model directory ships (auto_map) against target.trust_remote_code: a no-go
@@ -267,6 +280,8 @@ def run_preflight(
         gpus = list(results)
         results += _guarded("target_memory", lambda: _target_memory_checks(cfg, phases, model["config"], gpus,
                                                                            meminfo))
+    if cfg is not None:
+        results += _guarded("serve.exposure", lambda: _serve_checks(cfg, phases, env))
     results += _guarded("memory", lambda: check_memory(meminfo))
     results += _guarded("ports", lambda: check_ports(ports))
     root = campaign_dir if campaign_dir is not None else (cfg.campaign_dir() if cfg else None)

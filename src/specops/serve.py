@@ -445,6 +445,7 @@ def evaluate_served(cfg: Config, campaign: Campaign, *, url: str | None = None, 
     import contextlib
     import dataclasses
 
+    from .auth import client_key
     from .campaign import read_json
     from .drafter.checkpoint import latest_checkpoint
     from .evaluate.report import verdict
@@ -470,16 +471,17 @@ def evaluate_served(cfg: Config, campaign: Campaign, *, url: str | None = None, 
                   f"{cfg.serve.host}:{cfg.serve.port} for the served eval", file=sys.stderr, flush=True)
             srv = start(cfg, campaign, with_drafter=with_drafter)
             try:
-                yield Endpoint(srv.url, name)
+                yield Endpoint(srv.url, name, srv.api_key)
             finally:
                 srv.stop()
 
         spec_server = lambda: started(True)  # noqa: E731
         base_server = (lambda: started(False)) if baseline_url is None else (
-            lambda: contextlib.nullcontext(Endpoint(baseline_url, name)))
+            lambda: contextlib.nullcontext(Endpoint(baseline_url, name, client_key(cfg))))
     else:
-        spec_server = lambda: contextlib.nullcontext(Endpoint(url, name))  # noqa: E731
-        base_server = (lambda: contextlib.nullcontext(Endpoint(baseline_url, name))) if baseline_url else None
+        key = client_key(cfg)
+        spec_server = lambda: contextlib.nullcontext(Endpoint(url, name, key))  # noqa: E731
+        base_server = (lambda: contextlib.nullcontext(Endpoint(baseline_url, name, key))) if baseline_url else None
     reference = Path(ec.drafter) if ec.drafter else latest_checkpoint(campaign.root / "drafter")
     if reference is None and url is None:
         reference = Path(label)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .auth import auth_headers, key_from_config_dict
 from .campaign import Campaign, lock_holder, read_json
 
 
@@ -165,7 +166,8 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
         last = hb.get("last_done_unix") or started
         if in_flight and last and now - last > stall_s:
             problems.append(f"stalled: {in_flight} samples in flight, no completion for {now - last:.0f}s")
-            probes = probe_health(_endpoints(manifest, hb), probe_timeout_s)
+            probes = probe_health(_endpoints(manifest, hb), probe_timeout_s,
+                                  key=key_from_config_dict(manifest.get("config") or {}))
             for ep, pr in probes.items():
                 if pr["state"] != "answers":
                     problems.append(f"server {ep}: /health {pr['detail']}")
@@ -217,8 +219,19 @@ def collect(campaign_dir: str | Path, *, stall_s: float | None = None, heartbeat
         "stop_reason": hb.get("stop_reason"),
         "freshness": _freshness(camp, manifest, config),
         "log_tail": _tail(camp.log_path),
+        "warnings": _exposure_warnings(manifest),
     }
     return StatusReport(str(camp.root), state, problems, data)
+
+
+def _exposure_warnings(manifest: dict[str, Any]) -> list[str]:
+    """The warnings of the servers this campaign started (serve.start notes each in the manifest's
+    "serve"): a non-loopback server without a key, an SGLang key on the command line."""
+    out = []
+    for port, entry in sorted((manifest.get("serve") or {}).items()):
+        if isinstance(entry, dict) and entry.get("status") == "warn":
+            out.append(f"server on {entry.get('host')}:{port} (started {entry.get('started')}): {entry.get('message')}")
+    return out
 
 
 def _endpoints(manifest: dict[str, Any], hb: dict[str, Any]) -> list[str]:
@@ -228,19 +241,21 @@ def _endpoints(manifest: dict[str, Any], hb: dict[str, Any]) -> list[str]:
     return eps + [ep for ep in (hb.get("servers") or {}) if ep not in eps]
 
 
-def probe_health(endpoints: list[str], timeout_s: float = 2.0) -> dict[str, dict[str, Any]]:
+def probe_health(endpoints: list[str], timeout_s: float = 2.0, *,
+                 key: str | None = None) -> dict[str, dict[str, Any]]:
     """GET <root>/health of every endpoint (the URL without /v1), all at once, each bounded by
-    `timeout_s` per socket operation: {endpoint: {"state": answers | no_answer | refused | error,
+    `timeout_s` per socket operation, with the campaign's client key when there is one (a keyed
+    engine may guard /health too): {endpoint: {"state": answers | no_answer | refused | error,
     "detail", "status" (HTTP, when it answered), "seconds"}}. Never raises; no proxy is used."""
     from concurrent.futures import ThreadPoolExecutor
 
     if not endpoints:
         return {}
     with ThreadPoolExecutor(max_workers=min(16, len(endpoints))) as pool:
-        return dict(zip(endpoints, pool.map(lambda ep: _probe_one(ep, timeout_s), endpoints)))
+        return dict(zip(endpoints, pool.map(lambda ep: _probe_one(ep, timeout_s, key), endpoints)))
 
 
-def _probe_one(endpoint: str, timeout_s: float) -> dict[str, Any]:
+def _probe_one(endpoint: str, timeout_s: float, key: str | None = None) -> dict[str, Any]:
     import http.client
     import socket
     import urllib.error
@@ -252,7 +267,7 @@ def _probe_one(endpoint: str, timeout_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {"url": url}
     try:
         try:
-            with opener.open(url, timeout=timeout_s) as r:
+            with opener.open(urllib.request.Request(url, headers=auth_headers(key)), timeout=timeout_s) as r:
                 status = r.status
         except urllib.error.HTTPError as e:
             status = e.code
@@ -330,6 +345,7 @@ def render(report: StatusReport):
     if report.state == "new" and "disk" not in d:  # no manifest: nothing else was collected
         parts.extend(Text(f"PROBLEM: {p}", style="bold red") for p in report.problems)
         return Group(*parts)
+    parts.extend(Text(f"WARNING: {w}", style="yellow") for w in d.get("warnings") or [])
     parts.extend(_render_generate(d))
     phase = Text()
     tr = d.get("train")

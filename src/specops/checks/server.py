@@ -50,6 +50,7 @@ import orjson
 from rich.table import Table
 from rich.text import Text
 
+from ..auth import auth_headers
 from ..errors import SpecopsError
 from ..text import THINK_CLOSE, split_think
 
@@ -779,7 +780,7 @@ async def check_endpoint(url: str, *, expected_model: str, api_key: str | None =
     if drafter_probe_tokens < 1:
         raise ValueError(f"drafter_probe_tokens must be >= 1, got {drafter_probe_tokens}")
     ep = _Endpoint.parse(url)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     own = session is None
     if session is None:
         # A fresh connection per request: a pooled keep-alive socket to a restarted server

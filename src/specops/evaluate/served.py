@@ -56,6 +56,7 @@ from typing import Any, Callable, ContextManager
 import aiohttp
 import orjson
 
+from ..auth import auth_headers
 from ..campaign import atomic_write_json, now_iso
 from ..checks.server import SpecDecodeCounters, spec_decode_from_text
 from ..config import Config
@@ -115,10 +116,7 @@ class Endpoint:
 
     @property
     def headers(self) -> dict[str, str]:
-        h = {"Content-Type": "application/json"}
-        if self.api_key:
-            h["Authorization"] = f"Bearer {self.api_key}"
-        return h
+        return {"Content-Type": "application/json", **auth_headers(self.api_key)}
 
 
 @dataclass

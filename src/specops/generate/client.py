@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from ..auth import auth_headers
 from ..text import THINK_CLOSE, split_think
 from .types import ChatRequest, Completion, RequestRejected, TransientError
 
@@ -56,9 +57,7 @@ class OpenAIEngine:
         self.model = model
         self._api_key = api_key
         self.down: set[str] = set()  # endpoints behind a closed health gate: not picked
-        self._headers = {"Content-Type": "application/json"}
-        if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._headers = {"Content-Type": "application/json", **auth_headers(api_key)}
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s, sock_read=read_timeout_s
         )

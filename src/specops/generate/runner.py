@@ -94,15 +94,12 @@ def build_engine(cfg: Config) -> Engine:
     if e.kind == "openai":
         from .client import OpenAIEngine
 
-        key = None
-        if e.api_key_env:
-            key = os.environ.get(e.api_key_env)
-            if not key:
-                raise ConfigError(f"engine.api_key_env: environment variable {e.api_key_env} is not set")
+        from ..auth import client_key
+
         return OpenAIEngine(
             e.endpoints,
             model=name,
-            api_key=key,
+            api_key=client_key(cfg),  # engine.api_key_env's, else the campaign's serve key
             connect_timeout_s=e.connect_timeout_s,
             read_timeout_s=e.read_timeout_s,
             return_token_ids=e.return_token_ids,

@@ -111,9 +111,9 @@ class ServedTarget(TextShape):
                                {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0})
 
     def _post_json(self, endpoint: str, payload: dict[str, Any]) -> dict[str, Any]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        from ..auth import auth_headers
+
+        headers = {"Content-Type": "application/json", **auth_headers(self.api_key)}
         req = urllib.request.Request(endpoint, data=json.dumps(payload).encode(), headers=headers, method="POST")
         with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
             return json.loads(r.read())
