@@ -9,7 +9,9 @@ Default suite: ONE server start (~30-60 s on 2 shared cores), the vLLM-format ex
 tests in file order through the module fixture `served`: the drafter tier (serve --detach,
 health), `eval --url` with the interop check passing at T=0 and T=1, the interop check failing
 against the same server when the loop's reference names aux layer ids shifted by one, and serve
---stop taking the whole process group down.
+--stop taking the whole process group down. The server has a key (serve.api_key_env): every one of
+those clients sends it, and a request without it is refused; the key is in no file of the campaign
+and no command line.
 
 Full suite (`full`): the controls that serve a differently built drafter, one server start each:
 the speculators-format export and the target alone (`eval --served` starts both), an export naming
@@ -26,7 +28,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import socket
+import urllib.error
+import urllib.request
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +49,8 @@ ANSWERS = [PROBE_TOKENS, 128, 128]  # tokens of each fitted answer (probe prompt
 EVAL_TOKENS = 128
 SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
 CLI = [sys.executable, "-m", "specops"]
+KEY_ENV = "SPECOPS_TEST_SERVE_DRAFTER_KEY"
+KEY = "sk-served-drafter-" + secrets.token_hex(12)
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +73,14 @@ def drafters(tmp_path_factory):
             "aux_layer_ids": aux, "prompt_ids": f.prompts, "model_dir": f.model_dir}
 
 
-def campaign_toml(path, vllm_python, port, drafter, shared_data, drafters, *, reference=None) -> str:
+def campaign_toml(path, vllm_python, port, drafter, shared_data, drafters, *, reference=None,
+                  key_env: str | None = None) -> str:
     """A campaign serving `drafter` on `port`; the interop reference is `reference` (default the
-    fitted checkpoint)."""
+    fitted checkpoint); `key_env`: serve.api_key_env."""
+    key = f'api_key_env = "{key_env}"\n' if key_env else ""
     path.write_text(
         f'[campaign]\nname = "d"\ndir = "{path.parent / "camp"}"\n[target]\nmodel = "smollm2"\n'
-        f'[serve]\nengine = "vllm"\npython = "{vllm_python}"\nport = {port}\ngpus = []\n'
+        f'[serve]\nengine = "vllm"\npython = "{vllm_python}"\nport = {port}\ngpus = []\n{key}'
         f'drafter = "{drafter}"\nnum_speculative_tokens = {K}\nextra_args = {json.dumps(SERVE_ARGS)}\n'
         f'[eval]\ndatasets = ["file:{drafters["prompts"]}"]\nk = {K}\nmax_new_tokens = {EVAL_TOKENS}\n'
         f'drafter = "{reference or drafters["checkpoint"]}"\nserved_concurrency = 2\n'
@@ -118,12 +127,14 @@ def assert_t1_agrees(it: dict) -> None:
 
 @pytest.fixture(scope="module")
 def served(drafters, tmp_path_factory, vllm_python, shared_data):
-    """The default suite's one server: `specops serve --detach` with the vLLM-format export ->
-    {"cfg", "port", "camp", "up": the CompletedProcess}. Stopped on teardown if a test left it up
-    (test_serve_stop_takes_the_whole_group_down stops it and asserts)."""
+    """The default suite's one server: `specops serve --detach` with the vLLM-format export and a
+    key (serve.api_key_env = KEY_ENV, in this process's environment while the module runs, so
+    every CLI below inherits it) -> {"cfg", "port", "camp", "up": the CompletedProcess}. Stopped
+    on teardown if a test left it up (test_serve_stop_takes_the_whole_group_down stops it and asserts)."""
     d = tmp_path_factory.mktemp("served")
     port = free_port()
-    cfg = campaign_toml(d / "c.toml", vllm_python, port, drafters["vllm"], shared_data, drafters)
+    os.environ[KEY_ENV] = KEY
+    cfg = campaign_toml(d / "c.toml", vllm_python, port, drafters["vllm"], shared_data, drafters, key_env=KEY_ENV)
     up = subprocess.run([*CLI, "serve", cfg, "--detach"], capture_output=True, text=True, timeout=500)
     state = {"cfg": cfg, "port": port, "camp": d / "camp", "up": up, "dir": d, "stopped": False}
     try:
@@ -131,6 +142,7 @@ def served(drafters, tmp_path_factory, vllm_python, shared_data):
     finally:
         if not state["stopped"]:
             stop(cfg)
+        os.environ.pop(KEY_ENV, None)
 
 
 def test_serve_with_the_vllm_format_export_passes_the_drafter_tier(served, drafters, capsys):
@@ -162,7 +174,7 @@ def test_serve_with_the_vllm_format_export_passes_the_drafter_tier(served, draft
 
     # `specops health` shows the tier on its own: the server exposes spec-decode counters
     health = subprocess.run([*CLI, "health", "--url", f"http://127.0.0.1:{port}/v1", "--model", "smollm2",
-                             "--window", "0.2", "--drafter-probe-tokens", "64", "--json"],
+                             "--window", "0.2", "--drafter-probe-tokens", "64", "--api-key-env", KEY_ENV, "--json"],
                             capture_output=True, text=True, timeout=300)
     assert health.returncode == 0, health.stdout + health.stderr[-3000:]
     tier = {t["name"]: t for t in json.loads(health.stdout)[0]["tiers"]}["drafter"]
@@ -222,7 +234,7 @@ def test_eval_url_with_a_shifted_reference_fails_and_says_no_go(served, drafters
     off: exit 1, the interop check FAIL and the NO-GO verdict on the terminal."""
     assert served["up"].returncode == 0, "the server did not start (first test)"
     cfg = campaign_toml(tmp_path / "c.toml", vllm_python, served["port"], drafters["vllm"], shared_data,
-                        drafters, reference=drafters["shifted_checkpoint"])
+                        drafters, reference=drafters["shifted_checkpoint"], key_env=KEY_ENV)
     ev, res = served_eval(cfg, "--url", f"http://127.0.0.1:{served['port']}/v1")
     assert json.loads((drafters["shifted_checkpoint"] / "drafter_config.json").read_text())["aux_layer_ids"] == \
         shifted(drafters["aux_layer_ids"])
@@ -232,6 +244,50 @@ def test_eval_url_with_a_shifted_reference_fails_and_says_no_go(served, drafters
     assert it["identical_turns"] == len(ANSWERS)  # greedy output is the target's either way
     assert any(c.startswith("aux layer ids") for c in it["likely_causes"])
     assert "NO-GO: the engine does not run the drafter as specops' loop does" in ev.stdout
+
+
+def _status(url: str, key: str | None = None, body: dict | None = None) -> int:
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body else None,
+                                 headers={"content-type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_auth_vllm_served_key_refuses_strangers_and_stays_out_of_every_file(served):
+    """The keyed server the tests above used through specops' clients (serve's health tiers with
+    the drafter tier's /metrics reads, `health --api-key-env`, `eval --url` with the serve key):
+    without the key it refuses generation and /metrics; the key is in no file under the test's
+    directory (campaign, config, server log, eval results), in no recorded or live command line."""
+    assert served["up"].returncode == 0, "the server did not start (first test)"
+    root = f"http://127.0.0.1:{served['port']}"
+    completion = {"model": "smollm2", "prompt": "Hi", "max_tokens": 2}
+    assert _status(root + "/v1/completions", body=completion) == 401
+    assert _status(root + "/invocations", body=completion) == 401
+    assert _status(root + "/metrics") == 401 and _status(root + "/metrics", KEY) == 200
+    assert _status(root + "/health") == 200
+    record = json.loads((served["camp"] / "run" / f"serve-{served['port']}.json").read_text())
+    assert record["auth"]["key_env"] == KEY_ENV and record["auth"]["status"] == "go"
+    assert "--middleware" in record["argv"] and not any(KEY in a for a in record["argv"])
+    manifest = json.loads((served["camp"] / "manifest.json").read_text())
+    assert manifest["serve"][str(served["port"])]["key_env"] == KEY_ENV
+    assert manifest["config"]["serve"]["api_key_env"] == KEY_ENV
+    for pid in [record["pid"], *[int(p) for p in os.listdir("/proc") if p.isdigit()]]:
+        try:
+            if os.getpgid(pid) != record["pgid"]:
+                continue
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue
+        assert KEY.encode() not in cmdline, pid
+    files = [p for p in served["dir"].rglob("*") if p.is_file()]
+    assert len(files) > 5 and (served["camp"] / "eval" / "served.json") in files
+    leaks = [str(p) for p in files if KEY.encode() in p.read_bytes()]
+    assert not leaks, leaks
+    assert KEY not in served["up"].stdout + served["up"].stderr
 
 
 def test_serve_stop_takes_the_whole_group_down(served):

@@ -5,17 +5,21 @@ and no request for a sample already written.
 
 One server for the module's default tests (`specops serve --features --detach`, ~35 s on 2 cores);
 the full suite adds a second, data-parallel replica sharing the same file directory, and extract
-round-robins over both. The build holds random SmolLM2 token ids (the features of any ids must agree)."""
+round-robins over both. The build holds random SmolLM2 token ids (the features of any ids must agree).
+The servers have a key (serve.api_key_env, in this process's environment while the module runs):
+extract and the /metrics reads here send it; a request without it writes no hidden-states file."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -38,6 +42,8 @@ CLI = [sys.executable, "-m", "specops"]
 # (<= 2^-7 of it) away, so a vector moves at most 2^-7 (features.compare_splits). Measured in bf16:
 # max 4.3e-3, typically 1e-4 to 6e-4.
 TOLERANCE = 2.0**-7
+KEY_ENV = "SPECOPS_TEST_SERVED_EXTRACT_KEY"
+KEY = "sk-served-extract-" + secrets.token_hex(12)
 
 
 LENGTHS = {"train": [37, 180, 64, 9, 250, 120, 75, 33, 140, 90, 12, 200], "val": [50, 130, 22]}
@@ -51,7 +57,8 @@ def campaign(root: Path, port: int, served_dir: Path, *, mode: str = "served", u
     cfg = root.parent / f"{root.name}.toml"
     cfg.write_text(
         f'[campaign]\nname = "{root.name}"\ndir = "{root}"\n[target]\nmodel = "smollm2"\n'
-        f'[serve]\nengine = "vllm"\nport = {port}\ngpus = []\nextra_args = {json.dumps(SERVE_ARGS)}\n'
+        f'[serve]\nengine = "vllm"\nport = {port}\ngpus = []\napi_key_env = "{KEY_ENV}"\n'
+        f'extra_args = {json.dumps(SERVE_ARGS)}\n'
         f'[extract]\nmode = "{mode}"\naux_layer_ids = {aux}\nshard_tokens = {shard_tokens}\ntoken_budget = 512\n'
         f'batch_window = 2\nserved_dir = "{served_dir}"\nserved_concurrency = 4\n{urls_toml}'
         f'[[datasets]]\nname = "d"\npath = "{prompts}"\n')
@@ -91,6 +98,7 @@ def servers(tmp_path_factory, vllm_python):
     root = tmp_path_factory.mktemp("served-extract")
     served_dir = root / "hidden-states"
     cfgs = []
+    os.environ[KEY_ENV] = KEY
     try:
         cfgs = start_replicas(root, served_dir, vllm_python, ("a",))
         record = json.loads((root / "a" / "run" / f"serve-{cfgs[0][1]}.json").read_text())
@@ -102,10 +110,12 @@ def servers(tmp_path_factory, vllm_python):
         yield [f"http://127.0.0.1:{port}/v1" for _, port in cfgs], served_dir, root
     finally:
         stop_replicas(cfgs)
+        os.environ.pop(KEY_ENV, None)
 
 
 def completed_requests(url: str) -> float:
-    text = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
+    req = urllib.request.Request(url.removesuffix("/v1") + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
     return sum(float(m.group(1)) for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
 
 
@@ -169,6 +179,40 @@ def test_sigkill_mid_served_extract_then_resume_writes_every_sample_once(servers
     counted = [si for sh in index["shards"] for si in read_shard(out / sh["name"])["sample_index"].tolist()]
     assert sorted(counted) == list(range(len(lengths["train"])))
     assert all(len(feats[i]["input_ids"]) == n for i, n in enumerate(lengths["train"]))
+
+
+def test_auth_vllm_a_request_without_the_key_writes_no_hidden_states(servers, tmp_path):
+    """The features server refuses a stranger's generation (the /v1 routes and POST /invocations,
+    which vLLM's own check leaves open) before the connector writes anything; the key is in no
+    file under the module's directories and no command line of the server group."""
+    urls, served_dir, root = servers
+    before = sorted(served_dir.iterdir())
+    done = completed_requests(urls[0])
+    body = json.dumps({"model": "smollm2", "prompt": list(range(100, 164)), "max_tokens": 1}).encode()
+    for path in ("/v1/completions", "/invocations"):
+        req = urllib.request.Request(urls[0].removesuffix("/v1") + path, data=body,
+                                     headers={"content-type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=60)
+            status = 200
+        except urllib.error.HTTPError as e:
+            status = e.code
+        assert status == 401, path
+    time.sleep(0.5)
+    assert sorted(served_dir.iterdir()) == before and completed_requests(urls[0]) == done
+    record = json.loads(next((root / "a" / "run").glob("serve-*.json")).read_text())
+    assert record["auth"]["key_env"] == KEY_ENV and not any(KEY in a for a in record["argv"])
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if os.getpgid(pid) == record["pgid"]:
+                assert KEY.encode() not in open(f"/proc/{pid}/cmdline", "rb").read(), pid
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue
+    mine = [d for d in tmp_path.parent.iterdir() if d.name.startswith(("test_served_extract_equals", "test_sigkill_mid"))]
+    files = [p for d in (root, *mine) for p in d.rglob("*") if p.is_file()]
+    assert any(p.name == "index.json" for p in files)  # the extracts above wrote their features here
+    leaks = [str(p) for p in files if KEY.encode() in p.read_bytes()]
+    assert not leaks, leaks
 
 
 @pytest.mark.full
