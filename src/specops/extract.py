@@ -368,6 +368,10 @@ def _open_split(
 
 def _check_extract_config(cfg: Config) -> None:
     x = cfg.extract
+    if x.mode == "served" and not x.server_urls:  # extract would start [serve] serving hidden states
+        from .auth import check_exposure
+
+        check_exposure(cfg, features=True)
     if x.token_budget <= 0:
         raise ConfigError(f"extract.token_budget: must be > 0, got {x.token_budget}")
     if x.shard_tokens <= 0:

@@ -459,6 +459,9 @@ def evaluate_served(cfg: Config, campaign: Campaign, *, url: str | None = None, 
     k = None
     label = url
     if url is None:
+        from .auth import check_exposure
+
+        check_exposure(cfg)  # an exposed host without a key: refused before the drafter is looked for
         if cfg.serve.drafter is None:
             cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, drafter="export"))
         model_dir = resolve_model_dir(cfg.target.model)

@@ -5,7 +5,9 @@ front of the fake server) must receive the key as a Bearer header on every reque
 must appear nowhere else: not in any file under the test's directory (campaign, config, logs,
 server logs), not in the output of generate (foreground with debug logging, detached, failing),
 status, health, or in the runner's command line. Every server specops starts binds 127.0.0.1 by
-default, and no unsafe deserialisation (pickle, torch.load without weights_only=True) is in src/.
+default and none starts on another host without a key (the key of a keyed vLLM server in no file or
+command line: the auth_vllm_* tests of test_vllm_real.py, test_serve_drafter.py and
+test_served_extract.py), and no unsafe deserialisation (pickle, torch.load without weights_only=True) is in src/.
 """
 
 from __future__ import annotations
@@ -118,6 +120,44 @@ def test_servers_bind_loopback_by_default(tmp_path, figures):
     fig.trials = len(checks)
     fig.details = checks
     assert all(v == "127.0.0.1" for v in checks.values()), checks
+    fig.finish()
+
+
+def test_no_server_on_a_non_loopback_host_without_a_key(tmp_path, figures):
+    """Every way specops starts a server from [serve] (`serve`, `serve --features`, `eval --served`,
+    served extract), through the real CLI on real configs, for two non-loopback hosts (eval and
+    extract, which share serve.start's gate, for 0.0.0.0): refused with
+    exit 2 before anything starts (no server log, no process), naming serve.host and
+    serve.api_key_env; served extract also with serve.allow_unauthenticated = true. The only other
+    launcher (serverproc.start_vllm_server, for tests) defaults to 127.0.0.1 (the test above)."""
+    fig = figures("9", "no server on a non-loopback host without a key")
+    write_prompts(tmp_path / "p.jsonl", 1)
+    cases: dict[str, str] = {}
+    for host in ("0.0.0.0", "10.9.8.7"):
+        for allow in (False, True):
+            for verb, extra in (("serve", ()), ("serve", ("--features",)), ("eval", ("--served",)),
+                                ("extract", ())):
+                features = verb == "extract" or "--features" in extra
+                if allow and not features:
+                    continue  # let through with a warning: tests/test_serve_auth.py
+                if verb != "serve" and (host != "0.0.0.0" or (allow and verb != "extract")):
+                    continue  # eval and extract import torch (~3 s a run): one host, the same gate
+                name = f"{verb}{''.join(' ' + e for e in extra)} host={host} allow={allow}"
+                camp = tmp_path / f"c{len(cases)}"
+                cfg = write_config(tmp_path, None, tmp_path / "p.jsonl", name=f"c{len(cases)}", camp=camp,
+                                   target={"model": "smollm2"}, engine={"kind": "local"},
+                                   serve={"host": host, "allow_unauthenticated": allow, "gpus": [],
+                                          "python": "/nonexistent/python"},
+                                   extract={"mode": "served"}, eval={"served": True})
+                out = specops(verb, str(cfg), *extra)
+                refused = (out.returncode == 2 and f"serve.host = '{host}'" in out.stderr
+                           and "serve.api_key_env" in out.stderr and "refusing to start the server" in out.stderr)
+                started = [str(p) for p in camp.rglob("serve-*")] if camp.exists() else []
+                cases[name] = "refused" if refused and not started else f"NOT refused: rc {out.returncode}, " \
+                              f"{out.stderr.strip().splitlines()[-1:]} {started}"
+    fig.trials = len(cases)
+    fig.details = cases
+    assert all(v == "refused" for v in cases.values()), cases
     fig.finish()
 
 
