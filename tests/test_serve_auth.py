@@ -209,3 +209,57 @@ def test_the_guard_asks_for_the_key_on_every_path_but_get_health(monkeypatch):
         assert _asgi(g, method, path, [(b"authorization", KEY.encode())]) == 401, path  # no scheme
         assert _asgi(g, method, path, good) == 200, path
     assert _asgi(g, "GET", "/health", []) == 200
+
+
+@pytest.mark.full
+@pytest.mark.vllm
+def test_auth_vllm_serve_on_all_interfaces_with_a_key(tmp_path, vllm_python, shared_data):
+    """The real vLLM started by `specops serve --detach` on 0.0.0.0 with serve.api_key_env: up, a
+    request without the key refused, generate (engine.endpoints, the serve key by fallback),
+    `health` and `status` through it; the key in no file of the campaign and no command line."""
+    from specops.serverproc import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Name {i} colours."}) + "\n" for i in range(4)))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[campaign]\nname = "c"\ndir = "{tmp_path / "camp"}"\n[target]\nmodel = "smollm2"\n'
+        f'[engine]\nkind = "openai"\nendpoints = ["{url}"]\n[generate]\nmax_tokens = 8\ncanary_samples = 0\n'
+        f'[serve]\npython = "{vllm_python}"\nhost = "0.0.0.0"\nport = {port}\ngpus = []\n'
+        f'api_key_env = "{KEY_ENV}"\nextra_args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]\n'
+        f'[[datasets]]\nname = "d"\npath = "{prompts}"\n')
+    env = {KEY_ENV: KEY}
+    up = run_cli("serve", str(cfg), "--detach", env=env)
+    try:
+        assert up.returncode == 0 and "ready in" in up.stdout, up.stdout + up.stderr[-3000:]
+        record = json.loads((tmp_path / "camp" / "run" / f"serve-{port}.json").read_text())
+        assert record["argv"][record["argv"].index("--host") + 1] == "0.0.0.0" and record["auth"]["status"] == "go"
+        import urllib.error
+        import urllib.request
+
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url + "/models", timeout=30)
+        assert e.value.code == 401
+        gen = run_cli("generate", str(cfg), "--no-progress", "--json", env=env)
+        assert gen.returncode == 0, gen.stderr[-3000:]
+        assert json.loads(gen.stdout)["datasets"]["d"]["done"] == 4
+        health = run_cli("health", str(cfg), "--json", "--window", "0.2", env=env)
+        assert health.returncode == 0 and json.loads(health.stdout)[0]["tiers"][-1]["status"] == "pass", health.stdout
+        status = run_cli("status", str(tmp_path / "camp"), "--json", env=env)
+        assert json.loads(status.stdout)["warnings"] == []
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+        for pid in pids:
+            try:
+                if os.getpgid(pid) == record["pgid"]:
+                    assert KEY.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
+            except (ProcessLookupError, FileNotFoundError, PermissionError):
+                continue
+        outputs = up.stdout + up.stderr + gen.stdout + gen.stderr + health.stdout + health.stderr + status.stdout
+        assert KEY not in outputs
+    finally:
+        down = run_cli("serve", str(cfg), "--stop", env=env)
+    assert "stopped server group" in down.stdout, down.stdout + down.stderr
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) > 5 and not [p for p in files if KEY.encode() in p.read_bytes()]
