@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from ..campaign import Campaign, atomic_write_json, now_iso
 from ..config import Config, DatasetSection
-from ..errors import ConfigError, InputError, Interrupted, SpecopsError
+from ..errors import InputError, Interrupted, SpecopsError
 from ..progress import ROUTINE, phase_progress
 from .journal import DiskFull, Journal
 from ..sources import Quarantined, Sample, open_source
