@@ -162,7 +162,7 @@ def test_status_and_the_manifest_carry_the_unauthenticated_warning(tmp_path):
     cfg = load_config(write_toml(tmp_path, host="0.0.0.0", allow_unauthenticated=True))
     camp = Campaign.create_or_open(cfg)
     e = check_exposure(cfg)
-    _note_server(camp, {"host": "0.0.0.0", "port": 8000, "engine": "vllm", **e.to_json(), "started": "now"})
+    _note_server(camp, {"host": "0.0.0.0", "port": 8000, "engine": "vllm", **e.to_json(), "started": "2026-12-07T17:00:00+00:00"})
     m = json.loads(camp.manifest_path.read_text())
     assert m["serve"]["8000"]["unauthenticated"] is True and m["serve"]["8000"]["status"] == "warn"
     out = run_cli("status", str(camp.root), "--json")
