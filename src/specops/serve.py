@@ -42,6 +42,13 @@ random 6-layer DeepSeek-V3, the served states then equal the model computed with
 transformers' after the first layer. With the kernel off (vLLM's torch rotary), they agree to
 storage rounding. A target whose config would route its experts otherwise in the engine than in
 transformers (`target.conventions.engine_config_problems`) is refused before anything starts.
+
+`[serve] api_key_env` gives the server a key (auth.py): vLLM reads it from its environment
+(VLLM_API_KEY) and gets specops' guard for the paths vLLM's own check leaves open (/metrics,
+POST /invocations); SGLang takes `--api-key` on its command line. The key is masked in the recorded
+command line and the log; every client of the server sends it. A non-loopback host without a key
+is refused first (auth.check_exposure); a server let through by `serve.allow_unauthenticated`
+leaves its warning in the manifest ("serve"), which `status` repeats.
 """
 
 from __future__ import annotations
