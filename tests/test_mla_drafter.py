@@ -149,6 +149,10 @@ def test_drafter_layer_auto_rule_and_refusals():
     from specops.drafter.families import family_named
     from specops.errors import ConfigError
 
+    from specops import config as config_mod
+    from specops.drafter import model as model_mod
+
+    assert config_mod.DRAFTER_LAYERS == ("auto", *model_mod.DRAFTER_LAYERS)  # config stays free of torch
     fam = family_named("eagle3")
     ds = deepseek_config().to_dict()
     llama = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 6,
@@ -279,3 +283,33 @@ def test_check_export_names_each_mla_fault(exported, tmp_path):
         export_vllm(exported[1].state_dict(), exported[1].config.to_dict(), tmp_path / "x",
                     target_config=deepseek_config(num_hidden_layers=5).to_dict(), aux_layer_ids=[2, 4, 5],
                     target_name_or_path="ds")
+
+
+@pytest.mark.gpu
+def test_mla_layer_on_cuda_in_bf16_tracks_fp32_and_trains():
+    """The MLA drafter on CUDA under bf16 autocast (training's form): its TTT loss is the fp32 CPU
+    loss to bf16 rounding, and a backward step reaches the latent projections."""
+    from test_train import _packed_batch
+
+    from specops.drafter.batch import Teacher, teacher_targets
+    from specops.drafter.families.eagle3.objective import ttt_forward
+    from specops.target.inprocess import TargetHead
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(4)
+    d = Eagle3MLADrafter(mla_config(rope_scaling=YARN))
+    head = TargetHead({}, torch.rand(H) + 0.5, 1e-6, torch.randn(96, H), 3 * torch.randn(96, H))
+    batch, _ = _packed_batch(seed=5)
+    losses = []
+    for dev in ("cpu", "cuda"):
+        dd = d.to(dev)
+        b = batch.to(torch.device(dev))
+        t = teacher_targets(Teacher(head, dd.d2t, final_prenorm=True, device=torch.device(dev), dtype=torch.float32), b)
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+            out = ttt_forward(dd, b, t, steps=3, decay=0.8)
+        losses.append(out.loss.float())
+        if dev == "cuda":
+            out.loss.backward()
+            assert dd.midlayer.self_attn.kv_a_proj_with_mqa.weight.grad.abs().sum() > 0
+    assert abs(losses[1].item() - losses[0].item()) <= 0.02 * abs(losses[0].item()), losses
