@@ -59,8 +59,6 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     from specops.target.inprocess import compute_features, load_target, load_target_head
 
     # the calling process's intra-op threads: one in the default suite's two processes (78 s), 63 s on 2 cores
-    from specops.drafter.mla import drafter_class
-
     md = Path(model_dir) if model_dir is not None else resolve_model_dir("smollm2")
     hf = json.loads((md / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(str(md))
@@ -84,7 +82,7 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     vocab = sorted(seen + rest)
     head = load_target_head(md)
     torch.manual_seed(0)
-    d = (drafter_class(cfg) if family == "eagle3" else fam.model_cls)(cfg)
+    d = (fam.model_for(cfg) if family == "eagle3" else fam.model_cls)(cfg)
     d.init_from_target(head.embed.float(), head.lm_head.float(),
                        torch.tensor(vocab) - torch.arange(draft_vocab))
     samples = []

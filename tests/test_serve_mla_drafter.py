@@ -10,7 +10,10 @@ memorises the random target's greedy answers to the prompts the tests send. All 
 (`full`): one server start (~40 s on 2 cores) through `specops serve --detach` with the vLLM-format
 export; its drafter tier (vLLM's acceptance over the 256-token greedy probe = the loop's on the same
 answer); `specops eval --url` whose interop check passes T=0 turn by turn and step by step; and the
-negative control on the same served turns: the same weights naming aux layer ids shifted by one fail it.
+negative control on the same served turns: the same drafter with its draft vocab map scrambled (still
+one-to-one, check_export passes it) fails it. (Aux ids shifted by one make no control here: the
+random target's greedy answers repeat, and the memorised drafter drafts them from its tokens alone;
+measured: loop tau 3.8784 with either id list.)
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve_builders import export, fit_drafter, prompt_file, recheck_served, shifted, write_checkpoint
+from serve_builders import export, fit_drafter, prompt_file, recheck_served, scrambled_d2t, write_checkpoint
 from specops.serverproc import free_port
 from test_serve_drafter import K, SERVE_ARGS, served_eval, stop
 from tiny_targets import mla_chat_target
@@ -41,8 +44,8 @@ FIT_STEPS = 120
 @pytest.fixture(scope="module")
 def drafters(tmp_path_factory):
     """{"target": the tiny DeepSeek-V3 dir; "vllm": the export; "checkpoint": the drafter as train
-    writes it (the interop reference); "shifted_checkpoint": its weights naming aux ids shifted by
-    one; "prompts"; "tau": specops' loop tau per fitted prompt}."""
+    writes it (the interop reference); "scrambled_checkpoint": the same with draft id i naming the
+    target id of i + Vd/2; "prompts"; "tau": specops' loop tau per fitted prompt}."""
     root = tmp_path_factory.mktemp("mla-drafters")
     target = mla_chat_target(root / "ds")
     n = torch.get_num_threads()
@@ -53,11 +56,9 @@ def drafters(tmp_path_factory):
         torch.set_num_threads(n)
     assert f.drafter.config.layer == "mla"
     assert min(f.loop_tau) >= 1.3, f.loop_tau  # enough acceptance for a wrong convention to show
-    aux = f.drafter.config.aux_layer_ids
     return {"target": target, "vllm": export(f, root / "vllm"), "checkpoint": write_checkpoint(f.drafter, root / "ck"),
-            "shifted_checkpoint": write_checkpoint(f.drafter, root / "shifted-ck", aux_layer_ids=shifted(aux)),
-            "prompts": prompt_file(root / "prompts.jsonl", len(ANSWERS)), "tau": f.loop_tau, "prompt_ids": f.prompts,
-            "aux": aux}
+            "scrambled_checkpoint": write_checkpoint(scrambled_d2t(f.drafter), root / "scrambled-ck"),
+            "prompts": prompt_file(root / "prompts.jsonl", len(ANSWERS)), "tau": f.loop_tau, "prompt_ids": f.prompts}
 
 
 @pytest.fixture(scope="module")
@@ -112,14 +113,14 @@ def test_interop_check_passes_against_the_loop(served, drafters, capsys):
         print(f"\nMLA served eval (k = {K}): tau T=0 {res['tau_t0']:.3f}; {it['line']}")
 
 
-def test_interop_check_fails_against_shifted_aux_layer_ids(served, drafters, capsys):
-    """The served T=0 turns above checked again in process against the same weights naming aux ids
-    shifted by one: the loop's tau drops, the check fails."""
+def test_interop_check_fails_against_a_scrambled_draft_vocab(served, drafters, capsys):
+    """The served T=0 turns above checked again in process against the same drafter whose d2t names
+    other target ids: the loop's tau drops, the check fails."""
     res = served["eval"]
     assert res is not None, "the served eval did not run (previous test)"
-    it = recheck_served(res, drafters["prompt_ids"], drafters["shifted_checkpoint"], drafters["target"], k=K,
+    it = recheck_served(res, drafters["prompt_ids"], drafters["scrambled_checkpoint"], drafters["target"], k=K,
                         max_new_tokens=EVAL_TOKENS)
     assert it["identical_turns"] == len(ANSWERS), it["line"]
     assert not it["ok"] and it["tau_served"] - it["tau_loop"] > 0.1, it["line"]
     with capsys.disabled():
-        print(f"\nnegative control (MLA, aux ids shifted by one): {it['line']}")
+        print(f"\nnegative control (MLA, draft vocab scrambled): {it['line']}")

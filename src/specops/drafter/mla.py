@@ -42,7 +42,7 @@ from torch import nn
 
 from .model import Attention, DrafterConfig, Eagle3Drafter, RMSNorm, _rotate_half
 
-__all__ = ["MLA_STATE_DICT_KEYS", "MLAAttention", "Eagle3MLADrafter", "drafter_class", "mla_softmax_factor"]
+__all__ = ["MLA_STATE_DICT_KEYS", "MLAAttention", "Eagle3MLADrafter", "mla_softmax_factor"]
 
 # The MLA drafter's state_dict keys with a q_lora_rank (the form vLLM 0.32 loads; export.py).
 MLA_STATE_DICT_KEYS = (
@@ -139,7 +139,3 @@ class Eagle3MLADrafter(Eagle3Drafter):
     attention_cls = MLAAttention
     layer = "mla"
 
-
-def drafter_class(cfg: DrafterConfig) -> type[Eagle3Drafter]:
-    """The EAGLE-3 model class that builds cfg's layer."""
-    return Eagle3MLADrafter if cfg.layer == "mla" else Eagle3Drafter

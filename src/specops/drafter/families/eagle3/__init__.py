@@ -26,7 +26,7 @@ from ....target import AUX_CONVENTION, default_aux_layer_ids
 from ....target.conventions import is_mla
 from ...batch import Batch, Teacher
 from ...formats import ExportError, drafter_config_from_export, load_exported
-from ...mla import drafter_class
+from ...mla import Eagle3MLADrafter
 from ...model import DrafterConfig, Eagle3Drafter
 from ..base import CheckReport, DrafterFamily, ObjectiveOut
 from .drafting import EagerDrafterRunner, StaticDrafterRunner, make_drafter_runner
@@ -42,6 +42,11 @@ class Eagle3(DrafterFamily):
     not_an_export = NOT_AN_EXPORT
 
     # ---------------------------------------------------------------- model
+    def model_for(self, config: DrafterConfig) -> type[Eagle3Drafter]:
+        """The model class of a config: EAGLE-3's with the MLA layer for layer "mla", else model_cls
+        (a family built on EAGLE-3's layer, P-EAGLE, keeps its own)."""
+        return Eagle3MLADrafter if config.layer == "mla" else self.model_cls
+
     def feature_layer_ids(self, num_layers: int) -> list[int]:
         return default_aux_layer_ids(num_layers)
 
@@ -66,7 +71,7 @@ class Eagle3(DrafterFamily):
 
     def new_drafter(self, config: DrafterConfig, head: Any, d2t: torch.Tensor, t2d: torch.Tensor,
                     train: Any) -> Eagle3Drafter:
-        drafter = drafter_class(config)(config)
+        drafter = self.model_for(config)(config)
         drafter.init_from_target(head.embed, head.lm_head, d2t, freeze_embeddings=train.freeze_embeddings)
         if train.freeze_lm_head:  # keep the target's own readout of the draft vocab (speculators does)
             drafter.lm_head.weight.requires_grad_(False)
@@ -79,7 +84,7 @@ class Eagle3(DrafterFamily):
 
     def drafter_from_config(self, config: Mapping[str, Any]) -> Eagle3Drafter:
         cfg = self.config_cls.from_dict(dict(config))  # "family" and unknown keys: dropped
-        return drafter_class(cfg)(cfg)
+        return self.model_for(cfg)(cfg)
 
     # ---------------------------------------------------------------- training
     def objective(self, drafter: Eagle3Drafter, train: Any) -> TTTModule:
@@ -151,7 +156,7 @@ class Eagle3(DrafterFamily):
                             target_embed: torch.Tensor) -> Eagle3Drafter:
         sd, config = load_exported(directory)
         cfg = drafter_config_from_export(config, target_num_hidden_layers)
-        drafter = drafter_class(cfg)(cfg)
+        drafter = self.model_for(cfg)(cfg)
         return self._load_export_weights(drafter, dict(sd), directory, target_embed)
 
     @staticmethod
