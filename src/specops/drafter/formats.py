@@ -61,16 +61,6 @@ VLLM_ARCH = "LlamaForCausalLMEagle3"  # the one name both vLLM's registry and SG
 # which it does not serve; DeepseekV2Config carries the same MLA fields.
 MLA_VLLM_ARCH = "Eagle3DeepseekV3ForCausalLM"
 MLA_MODEL_TYPE = "deepseek_v2"
-# The MLA layer's attention weights (names and shapes: drafter/mla.py), with a q_lora_rank
-MLA_ATTN_PARAMS = (
-    "self_attn.q_a_proj.weight",  # [ql, 2H]
-    "self_attn.q_a_layernorm.weight",  # [ql]
-    "self_attn.q_b_proj.weight",  # [nh*(n+p), ql]
-    "self_attn.kv_a_proj_with_mqa.weight",  # [r + p, 2H]
-    "self_attn.kv_a_layernorm.weight",  # [r]
-    "self_attn.kv_b_proj.weight",  # [nh*(n+v), r]
-    "self_attn.o_proj.weight",  # [H, nh*v]
-)
 SPECULATORS_ARCH = "Eagle3Speculator"
 EXPORT_FORMAT = "specops-eagle3-export-v1"
 

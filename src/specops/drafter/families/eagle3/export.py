@@ -97,7 +97,6 @@ from ...formats import (
     _DROPPED_SUFFIXES,
     EMBED_KEY,
     EXPORT_FORMAT,
-    MLA_ATTN_PARAMS,
     MLA_MODEL_TYPE,
     MLA_VLLM_ARCH,
     REQUIRED_KEYS,
