@@ -42,11 +42,12 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_vocab: int = 1024,
-                lr: float = 3e-3, family: str = "eagle3") -> FittedDrafter:
+                lr: float = 3e-3, family: str = "eagle3", model_dir: Path | None = None) -> FittedDrafter:
     """Train a drafter on SmolLM2's greedy answers to FIT_PROMPTS (answer_tokens[i] tokens for prompt i)
     with its family's own objective (train.drafter = `family`; the mask token of "peagle" and
     "dflash": SmolLM2's default, train.mask_token_id's resolution; DFlash: one layer, k mask slots);
-    loop_tau then comes from the family's drafting rule."""
+    loop_tau then comes from the family's drafting rule. `model_dir`: another target with its own
+    tokenizer (tiny_targets.mla_chat_target: EAGLE-3 then takes its MLA layer, train.drafter_layer "auto")."""
     from transformers import AutoTokenizer
 
     from specops.config import TrainSection
@@ -58,7 +59,7 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     from specops.target.inprocess import compute_features, load_target, load_target_head
 
     # the calling process's intra-op threads: one in the default suite's two processes (78 s), 63 s on 2 cores
-    md = resolve_model_dir("smollm2")
+    md = Path(model_dir) if model_dir is not None else resolve_model_dir("smollm2")
     hf = json.loads((md / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(str(md))
     target = load_target(md, "float32", "cpu")
@@ -69,6 +70,8 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
         shape.update(mask_token_id=int(tc.mask_token_id), num_hidden_layers=1, block_size=k + 1)
     elif family == "peagle":
         shape.update(mask_token_id=int(tc.mask_token_id))
+    if family == "eagle3":
+        shape.update(layer=tc.drafter_layer)
     cfg = fam.config_cls.from_target(hf, draft_vocab, **shape)
     runner = TargetRunner(target, cfg.aux_layer_ids)
     prompts = [chat_ids(tok, p) for p in FIT_PROMPTS[: len(answer_tokens)]]
@@ -79,7 +82,7 @@ def fit_drafter(*, answer_tokens: list[int], k: int = 3, steps: int = 80, draft_
     vocab = sorted(seen + rest)
     head = load_target_head(md)
     torch.manual_seed(0)
-    d = fam.model_cls(cfg)
+    d = (fam.model_for(cfg) if family == "eagle3" else fam.model_cls)(cfg)
     d.init_from_target(head.embed.float(), head.lm_head.float(),
                        torch.tensor(vocab) - torch.arange(draft_vocab))
     samples = []

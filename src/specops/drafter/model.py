@@ -163,6 +163,11 @@ STATE_DICT_KEYS = (
 )
 
 
+# train.drafter_layer's values past "auto" (config.DRAFTER_LAYERS lists the same, torch-free).
+DRAFTER_LAYERS = ("llama", "mla")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
     v = cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
     return default if v is None else v
@@ -204,10 +209,38 @@ class DrafterConfig:
     norm_before_residual: bool = False
     hidden_act: str = "silu"
     target_num_hidden_layers: int | None = None  # recorded for export (SGLang's output-of-layer ids)
+    # The decoder layer's attention (train.drafter_layer): "llama" (GQA q/k/v_proj, this module) or
+    # "mla" (DeepSeek's multi-head latent attention, drafter/mla.py), whose sizes are the fields
+    # below (None for "llama"). With "mla", head_dim is the query/key head width
+    # qk_nope_head_dim + qk_rope_head_dim, num_key_value_heads = num_attention_heads, and RoPE turns
+    # the qk_rope_head_dim channels only.
+    layer: str = "llama"
+    q_lora_rank: int | None = None  # None: a full-rank q_proj (vLLM 0.32's loader needs a rank, export.py)
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
+        if self.layer not in DRAFTER_LAYERS:
+            raise ValueError(f"layer {self.layer!r}: expected one of {', '.join(DRAFTER_LAYERS)}")
+        mla = {k: getattr(self, k) for k in MLA_FIELDS if k != "q_lora_rank"}
+        if self.layer == "mla":
+            missing = [k for k, v in mla.items() if not v]
+            if missing:
+                raise ValueError(f"an MLA layer needs {', '.join(missing)}")
+            if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+                raise ValueError(f"MLA head_dim {self.head_dim} != qk_nope_head_dim + qk_rope_head_dim "
+                                 f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim})")
+            if self.num_key_value_heads != self.num_attention_heads:
+                raise ValueError("MLA has one key/value head per query head: num_key_value_heads must equal "
+                                 "num_attention_heads")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even (RoPE turns pairs)")
+        elif any(v is not None for v in (*mla.values(), self.q_lora_rank)):
+            raise ValueError(f"MLA sizes ({', '.join(MLA_FIELDS)}) are given for a {self.layer!r} layer")
         if self.draft_vocab_size > self.target_vocab_size:
             raise ValueError(
                 f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocab {self.target_vocab_size}"
@@ -225,10 +258,14 @@ class DrafterConfig:
         hf_config: Any,
         draft_vocab_size: int,
         aux_layer_ids: list[int] | None = None,
+        *,
+        layer: str = "llama",
         **overrides: Any,
     ) -> "DrafterConfig":
         """The drafter layer takes the target's shapes (EAGLE-3 convention). `hf_config` is an HF
-        config object or its dict; a nested `text_config` is used when present."""
+        config object or its dict; a nested `text_config` is used when present. layer="mla": the
+        target's MLA sizes (kv_lora_rank, q_lora_rank, the q/k/v head dims); a target without a
+        q_lora_rank gives the drafter one of hidden_size (vLLM 0.32 loads only the low-rank query)."""
         c = text_config(hf_config)
         hidden = int(_get(c, "hidden_size"))
         heads = int(_get(c, "num_attention_heads"))
@@ -250,8 +287,18 @@ class DrafterConfig:
             target_hidden_size=hidden,
             target_num_hidden_layers=layers,
         )
+        if layer == "mla":
+            nope, rot = int(_get(c, "qk_nope_head_dim")), int(_get(c, "qk_rope_head_dim"))
+            kw.update(layer="mla", q_lora_rank=int(_get(c, "q_lora_rank", hidden)), kv_lora_rank=int(_get(c, "kv_lora_rank")),
+                      qk_nope_head_dim=nope, qk_rope_head_dim=rot, v_head_dim=int(_get(c, "v_head_dim")),
+                      head_dim=nope + rot, num_key_value_heads=heads)
         kw.update(overrides)
         return cls(**kw)
+
+    @property
+    def rope_dim(self) -> int:
+        """The channels RoPE turns per head: all of head_dim (Llama) or qk_rope_head_dim (MLA)."""
+        return int(self.qk_rope_head_dim) if self.layer == "mla" else self.head_dim
 
     @classmethod
     def debug(cls, **overrides: Any) -> "DrafterConfig":
@@ -294,8 +341,8 @@ class RMSNorm(nn.Module):
 
 
 def _rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the cos/sin scale (1.0 except yarn/longrope)."""
-    d = cfg.head_dim
+    """Inverse frequencies [rope_dim/2] and the cos/sin scale (1.0 except yarn/longrope)."""
+    d = cfg.rope_dim
     base = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     kind = (cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type", "default"))
     if kind in ("default", "dynamic"):  # dynamic NTK equals default up to max_position_embeddings
@@ -312,7 +359,7 @@ def _rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
     hf = LlamaConfig(
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
-        head_dim=cfg.head_dim,
+        head_dim=d,
         max_position_embeddings=max(cfg.max_position_embeddings, orig or 0),
         rope_parameters=params,
     )
@@ -370,7 +417,7 @@ class Attention(nn.Module):
         k, v = kv
         if ttt and past_kv:
             out = ttt_attention(q, past_kv[0], past_kv[1:] + [kv], attn_mask)
-            return out.transpose(1, 2).reshape(B, T, self.nh * self.d)
+            return out.transpose(1, 2).reshape(B, T, -1)  # [B, T, nh * value width]
         keys = torch.cat([pk.to(k.dtype) for pk, _ in past_kv] + [k], dim=2) if past_kv else k
         vals = torch.cat([pv.to(v.dtype) for _, pv in past_kv] + [v], dim=2) if past_kv else v
         S = keys.shape[2]
@@ -385,7 +432,7 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask)
         else:
             out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, is_causal=attn_mask is None)
-        return out.transpose(1, 2).reshape(B, T, self.nh * self.d)
+        return out.transpose(1, 2).reshape(B, T, -1)  # [B, T, nh * value width]
 
 
 PROBE_PAD = 8  # extra head channels for ttt_attention's probe key (hi, lo, zeros): keeps head dims % 8
@@ -394,7 +441,7 @@ PROBE_PAD = 8  # extra head channels for ttt_attention's probe key (hi, lo, zero
 class TTTBlock(NamedTuple):
     """Step 0's keys and values as every later TTT step's attention reads them (`ttt_block`)."""
     keys: torch.Tensor  # [B, nh, Tk, d + PROBE_PAD]: the block, the probe key, masked zero keys
-    vals: torch.Tensor
+    vals: torch.Tensor  # [B, nh, Tk, dv + PROBE_PAD] (dv: the value width, d but for MLA)
     mask: torch.Tensor  # bool [B or 1, 1, T, Tk]
     T: int
 
@@ -407,17 +454,17 @@ def ttt_block(block: tuple[torch.Tensor, torch.Tensor], mask0: torch.Tensor, nh:
     kernels forward and the matching backward (one node for the unroll instead of one per step)."""
     k0, v0 = block
     B, nkv, T, d = k0.shape
+    dv = v0.shape[-1]
     dt = k0.dtype
     rep = nh // nkv
     probe_k = torch.zeros(B, nkv, 1, d + PROBE_PAD, dtype=dt, device=k0.device)
     probe_k[..., d:d + 2] = 1.0
-    probe_v = torch.zeros(B, nkv, 1, d + PROBE_PAD, dtype=dt, device=k0.device)
-    probe_v[..., d] = 1.0
+    probe_v = torch.zeros(B, nkv, 1, dv + PROBE_PAD, dtype=dt, device=k0.device)
+    probe_v[..., dv] = 1.0
     Tk = (T + 1 + 15) // 16 * 16
     pad = k0.new_zeros(B, nkv, T, PROBE_PAD)
-    tail = k0.new_zeros(B, nkv, Tk - T - 1, d + PROBE_PAD)
-    keys = torch.cat([torch.cat([k0, pad], -1), probe_k, tail], 2)  # [B, nkv, Tk, d+P]
-    vals = torch.cat([torch.cat([v0, pad], -1), probe_v, tail], 2)
+    keys = torch.cat([torch.cat([k0, pad], -1), probe_k, k0.new_zeros(B, nkv, Tk - T - 1, d + PROBE_PAD)], 2)
+    vals = torch.cat([torch.cat([v0, pad], -1), probe_v, k0.new_zeros(B, nkv, Tk - T - 1, dv + PROBE_PAD)], 2)
     if rep > 1:
         keys = keys.repeat_interleave(rep, dim=1)
         vals = vals.repeat_interleave(rep, dim=1)
@@ -451,7 +498,7 @@ def ttt_attention(q: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor] | TT
     dt = q.dtype
     if not isinstance(block, TTTBlock):
         block = ttt_block((block[0].to(dt), block[1].to(dt)), mask0, nh)
-    nkv = diag[0][0].shape[1]
+    nkv, dv = diag[0][0].shape[1], diag[0][1].shape[-1]  # dv: the value width (d but for MLA)
     rep = nh // nkv
     scale = 1.0 / math.sqrt(d)
     # Per-slot products as batched matmuls (no [.., T, d] intermediate per step j), in fp32 even
@@ -463,7 +510,7 @@ def ttt_attention(q: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor] | TT
         s = torch.einsum("bgrtd,bgjtd->bgrtj", qg, kd) * scale  # [B, nkv, rep, T, k]
         m = torch.logsumexp(s, -1)  # [B, nkv, rep, T]
         w = torch.softmax(s, -1)
-        wv = torch.einsum("bgrtj,bgjtd->bgrtd", w, vd)  # [B, nkv, rep, T, d]
+        wv = torch.einsum("bgrtj,bgjtd->bgrtd", w, vd)  # [B, nkv, rep, T, dv]
     mq = (m / scale).reshape(B, nh, T, 1)
     hi = mq.to(dt)
     lo = (mq - hi.float()).to(dt)
@@ -474,8 +521,8 @@ def ttt_attention(q: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor] | TT
             out = F.scaled_dot_product_attention(q2, keys, vals, attn_mask=block.mask, scale=scale)
     else:
         out = F.scaled_dot_product_attention(q2, keys, vals, attn_mask=block.mask, scale=scale)
-    alpha = out[..., d:d + 1].float()
-    return (out[..., :d].float() + alpha * wv.reshape(B, nh, T, d)).to(dt)
+    alpha = out[..., dv:dv + 1].float()
+    return (out[..., :dv].float() + alpha * wv.reshape(B, nh, T, dv)).to(dt)
 
 
 class MLP(nn.Module):
@@ -490,11 +537,14 @@ class MLP(nn.Module):
 
 
 class MidLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    """The decoder layer; `attention` builds its self_attn from the config (Llama's `Attention`, or
+    drafter/mla.py's `MLAAttention`): a module with qkv(x, cos, sin), core(...) and o_proj."""
+
+    def __init__(self, cfg: DrafterConfig, attention: type[nn.Module] | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = (attention or Attention)(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.norm_before_residual = cfg.norm_before_residual
@@ -543,13 +593,19 @@ def register_vocab_and_rope(module: nn.Module, cfg: DrafterConfig) -> None:
 
 
 class Eagle3Drafter(nn.Module):
+    # the layer's attention (MidLayer); drafter/mla.py's Eagle3MLADrafter sets MLAAttention
+    attention_cls: type[nn.Module] = Attention
+    layer = "llama"  # the DrafterConfig.layer this class builds
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
+        if cfg.layer != self.layer:
+            raise ValueError(f"{type(self).__name__} builds a {self.layer!r} layer, the config says {cfg.layer!r}")
         self.config = cfg
         H = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.target_vocab_size, H)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
-        self.midlayer = MidLayer(cfg)
+        self.midlayer = MidLayer(cfg, self.attention_cls)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         register_vocab_and_rope(self, cfg)
@@ -614,7 +670,7 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, head_dim] in fp32 for integer positions [B, T]."""
+        """cos, sin [B, T, rope_dim] in fp32 for integer positions [B, T]."""
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, d/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale

@@ -195,6 +195,11 @@ class DrafterFamily(ABC):
         draft_rows(tokens, aux, P, m, k, kv_len, temperature, gen) (EAGLE-3: `StaticDrafterRunner`)."""
 
     # ---------------------------------------------------------------- export
+    def formats_of(self, drafter: nn.Module) -> tuple[str, ...]:
+        """The formats `export` writes for this drafter by default (EAGLE-3 with an MLA layer: vLLM's
+        only). Default: export_formats."""
+        return self.export_formats
+
     @abstractmethod
     def export(self, fmt: str, drafter: nn.Module, out_dir: Path, *, target_config: Mapping[str, Any],
                target_name_or_path: str, speculative_tokens: int) -> Path:

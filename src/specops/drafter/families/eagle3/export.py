@@ -97,6 +97,8 @@ from ...formats import (
     _DROPPED_SUFFIXES,
     EMBED_KEY,
     EXPORT_FORMAT,
+    MLA_MODEL_TYPE,
+    MLA_VLLM_ARCH,
     REQUIRED_KEYS,
     SPECULATORS_ARCH,
     SPECULATORS_NAME_MAP,
@@ -106,6 +108,7 @@ from ...formats import (
     _Checkpoint,
     _detect_format,
     _our_names,
+    is_mla_export,
 )
 from ..base import CheckReport, open_drafter_dir
 
@@ -291,16 +294,41 @@ class _Dims:
     n_aux: int
     draft_vocab: int
     target_vocab: int
+    # an MLA layer (drafter/mla.py): (q_lora_rank or None, kv_lora_rank, qk_nope, qk_rope, v head dims)
+    mla: tuple[int | None, int, int, int, int] | None = None
+
+    def attention_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, nh = self.hidden, self.heads
+        if self.mla is None:
+            q, kv = nh * self.head_dim, self.kv_heads * self.head_dim
+            return {
+                "self_attn.q_proj.weight": (q, 2 * h),  # attention input is [embed normed, hidden normed]
+                "self_attn.k_proj.weight": (kv, 2 * h),
+                "self_attn.v_proj.weight": (kv, 2 * h),
+                "self_attn.o_proj.weight": (h, q),
+            }
+        ql, r, n, p, v = self.mla
+        query = ({"self_attn.q_a_proj.weight": (ql, 2 * h), "self_attn.q_a_layernorm.weight": (ql,),
+                  "self_attn.q_b_proj.weight": (nh * (n + p), ql)} if ql else
+                 {"self_attn.q_proj.weight": (nh * (n + p), 2 * h)})
+        return {
+            **query,
+            "self_attn.kv_a_proj_with_mqa.weight": (r + p, 2 * h),
+            "self_attn.kv_a_layernorm.weight": (r,),
+            "self_attn.kv_b_proj.weight": (nh * (n + v), r),
+            "self_attn.o_proj.weight": (h, nh * v),
+        }
+
+    def weight_keys(self) -> tuple[str, ...]:
+        """The weights every loader needs (no d2t/t2d, no embedding): WEIGHT_KEYS for the Llama layer."""
+        return tuple(k for k in self.shapes() if k not in ("d2t", "t2d", EMBED_KEY))
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        h = self.hidden
         mid = {
             "input_layernorm.weight": (h,),
             "hidden_norm.weight": (h,),
-            "self_attn.q_proj.weight": (q, 2 * h),  # attention input is [embed normed, hidden normed]
-            "self_attn.k_proj.weight": (kv, 2 * h),
-            "self_attn.v_proj.weight": (kv, 2 * h),
-            "self_attn.o_proj.weight": (h, q),
+            **self.attention_shapes(),
             "post_attention_layernorm.weight": (h,),
             "mlp.gate_proj.weight": (self.intermediate, h),
             "mlp.up_proj.weight": (self.intermediate, h),
@@ -346,14 +374,15 @@ def _check_tensors(
     name to the name in the file, for messages."""
     shown = shown or {}
     out: list[CheckResult] = []
-    required = list(WEIGHT_KEYS) + (["d2t", "t2d"] if need_vocab else [])
+    weights = dims.weight_keys() if dims is not None else WEIGHT_KEYS
+    required = list(weights) + (["d2t", "t2d"] if need_vocab else [])
     if need_embed:
         required.append(EMBED_KEY)
     missing = [k for k in required if k not in meta]
     if missing:
         out.append(_nogo("keys.missing", f"missing tensors: {', '.join(shown.get(k, k) for k in missing)}",
                          missing=[shown.get(k, k) for k in missing]))
-    known = set(REQUIRED_KEYS) | {EMBED_KEY}
+    known = (set(weights) | {"d2t", "t2d"} if dims is not None else set(REQUIRED_KEYS)) | {EMBED_KEY}
     unknown = sorted(k for k in meta if k not in known)
     if unknown:
         out.append(_nogo("keys.unknown", f"tensors no EAGLE-3 loader reads (vLLM fails on them, SGLang "
@@ -465,7 +494,22 @@ def _draft_fields(drafter_config: Mapping[str, Any], target_config: Mapping[str,
         "max_position_embeddings": pick("max_position_embeddings", inherit=True),
         "draft_vocab_size": pick("draft_vocab_size", inherit=False),
         "norm_before_residual": drafter_config.get("norm_before_residual"),
+        "layer": drafter_config.get("layer", "llama"),
     }
+    if fields["layer"] == "mla":
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            fields[key] = pick(key, inherit=False)
+        fields["q_lora_rank"] = drafter_config.get("q_lora_rank")
+        fields["num_key_value_heads"] = heads
+        if not fields["q_lora_rank"]:
+            # deepseek_eagle3.py's loader maps kv_a_proj_with_mqa into fused_qkv_a_proj, which exists
+            # only with a q_lora_rank: "There is no module or parameter named
+            # 'layers.0.self_attn.fused_qkv_a_proj' in DeepseekV2Eagle3Model".
+            problems.append(_nogo("config.q_lora_rank", "an MLA drafter without a q_lora_rank (a full-rank q_proj) "
+                                  "does not load in vLLM 0.32 (deepseek_eagle3.py loads q_a_proj + "
+                                  "kv_a_proj_with_mqa as one fused projection)"))
+    elif fields["layer"] != "llama":
+        problems.append(_nogo("config.layer", f"drafter_config.layer {fields['layer']!r} is neither 'llama' nor 'mla'"))
     if fields["hidden_act"] != "silu":
         problems.append(_nogo("config.hidden_act", f"hidden_act {fields['hidden_act']!r}: vLLM's LlamaMLP runs "
                               "silu only"))
@@ -520,6 +564,7 @@ def _prepare(
         n_aux=len(aux_layer_ids),
         draft_vocab=int(fields["draft_vocab_size"]),
         target_vocab=target_vocab,
+        mla=_mla_dims(fields),
     )
     problems = _check_aux_ids(list(aux_layer_ids), num_layers, field_name="aux_layer_ids")
     # Fields a DrafterConfig also carries must agree with the target and the ids given here.
@@ -553,6 +598,30 @@ def _prepare(
         # clone: safetensors refuses tensors sharing storage (e.g. a tied view)
         out[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
     return out, fields, dims, write_embed
+
+
+def _mla_dims(layer: Mapping[str, Any]) -> tuple[int | None, int, int, int, int] | None:
+    """_Dims.mla from MLA config fields (None when the layer is Llama's)."""
+    if layer.get("layer", "mla" if layer.get("kv_lora_rank") else "llama") != "mla":
+        return None
+    ql = layer.get("q_lora_rank")
+    return (int(ql) if ql else None, int(layer["kv_lora_rank"]), int(layer["qk_nope_head_dim"]),
+            int(layer["qk_rope_head_dim"]), int(layer["v_head_dim"]))
+
+
+def _layer_config(fields: Mapping[str, Any], dims: _Dims, dtype: torch.dtype) -> dict[str, Any]:
+    """The decoder layer's config.json fields: Llama's, or for an MLA layer the DeepseekV2Config
+    fields vLLM's DeepseekV2Eagle3DecoderLayer reads (its attention sizes, intermediate_size of the
+    dense MLP, rope_* for the interleaved RoPE)."""
+    out = _llama_layer_config(fields, dims, dtype)
+    if dims.mla is None:
+        return out
+    ql, r, n, p, v = dims.mla
+    for key in ("head_dim", "attention_bias", "mlp_bias"):
+        out.pop(key)
+    out.update(model_type=MLA_MODEL_TYPE, num_key_value_heads=dims.heads, q_lora_rank=ql, kv_lora_rank=r,
+               qk_nope_head_dim=n, qk_rope_head_dim=p, v_head_dim=v)
+    return out
 
 
 def _llama_layer_config(fields: Mapping[str, Any], dims: _Dims, dtype: torch.dtype) -> dict[str, Any]:
@@ -679,8 +748,8 @@ def export_vllm(
     rule = sglang_rule(target_config)
     sglang_ids = sglang_layer_ids(aux, rule, num_layers=_target_int(target_config, "num_hidden_layers"))
     config = {
-        "architectures": [VLLM_ARCH],
-        **_llama_layer_config(fields, dims, dtype),
+        "architectures": [VLLM_ARCH if dims.mla is None else MLA_VLLM_ARCH],
+        **_layer_config(fields, dims, dtype),
         "draft_vocab_size": dims.draft_vocab,
         "target_hidden_size": dims.target_hidden,
         "norm_before_residual": fields["norm_before_residual"],
@@ -717,6 +786,9 @@ def export_speculators(
     if not isinstance(speculative_tokens, int) or speculative_tokens < 1:
         raise ExportError(f"speculative_tokens must be an int >= 1, got {speculative_tokens!r}")
     aux = [int(i) for i in aux_layer_ids]
+    if drafter_config.get("layer", "llama") == "mla":
+        raise ExportError("an MLA EAGLE-3 drafter has no speculators format: speculators 0.9 defines EAGLE-3 "
+                          "layers for llama and qwen3 only; export the vLLM format")
     tensors, fields, dims, write_embed = _prepare(state_dict, drafter_config, target_config=target_config,
                                                   aux_layer_ids=aux, dtype=dtype, embed_tokens=embed_tokens)
     renamed = {SPECULATORS_NAME_MAP[k]: v for k, v in tensors.items()}
@@ -915,7 +987,10 @@ def check_export(report: CheckReport, d: Path, config: Mapping[str, Any], ckpt: 
             return
     else:
         layer_cfg = config
-        problems += _check_vllm_config(config)
+    mla = is_mla_export(config, set(ckpt.meta))
+    if fmt != "speculators":
+        problems += _check_mla_config(config) if mla else _check_vllm_config(config)
+    facts["layer"] = "mla" if mla else "llama"
     facts["architectures"] = config.get("architectures")
     for key, label in (("norm_before_residual", "norm_before_residual"), ("draft_vocab_size", "draft_vocab_size")):
         if key not in config:
@@ -943,6 +1018,7 @@ def check_export(report: CheckReport, d: Path, config: Mapping[str, Any], ckpt: 
             n_aux=len(ids) if isinstance(ids, list) and ids else 3,
             draft_vocab=int(config.get("draft_vocab_size") or layer_cfg["vocab_size"]),
             target_vocab=int(layer_cfg["vocab_size"]),
+            mla=_mla_dims(layer_cfg) if mla else None,
         )
     except (KeyError, TypeError, ValueError) as e:
         problems.append(_nogo("config.sizes", f"cannot size the drafter from config.json: {e!r}"))
@@ -1003,6 +1079,31 @@ def _check_vllm_config(config: Mapping[str, Any]) -> list[CheckResult]:
     if config.get("tie_word_embeddings") is True:
         out.append(_nogo("config.tie_word_embeddings", "tie_word_embeddings is true: SGLang then uses the "
                          "[vocab, H] embedding as lm_head instead of the [draft_vocab, H] lm_head"))
+    return out
+
+
+def _check_mla_config(config: Mapping[str, Any]) -> list[CheckResult]:
+    """What vLLM 0.32 needs of an MLA EAGLE-3 dir's config.json (deepseek_eagle3.py, the
+    speculative config). SGLang's EAGLE-3 loader is Llama's: such a dir is vLLM's only."""
+    out = []
+    archs = config.get("architectures") or []
+    if archs != [MLA_VLLM_ARCH]:
+        out.append(_nogo("config.architectures", f"architectures {archs} is not {[MLA_VLLM_ARCH]}: vLLM builds the "
+                         "MLA layer from that class only"))
+    if config.get("model_type") != MLA_MODEL_TYPE:
+        why = (": vLLM rewrites a deepseek_v3 draft config into its MTP model (Eagle3DeepSeekMTPModel, not "
+               "served)" if config.get("model_type") == "deepseek_v3" else "")
+        out.append(_nogo("config.model_type", f"model_type {config.get('model_type')!r} is not {MLA_MODEL_TYPE!r}"
+                         f"{why}"))
+    if not config.get("q_lora_rank"):
+        out.append(_nogo("config.q_lora_rank", f"q_lora_rank {config.get('q_lora_rank')!r}: vLLM 0.32 loads "
+                         "q_a_proj and kv_a_proj_with_mqa as one fused projection, absent without a q_lora_rank"))
+    if config.get("num_hidden_layers", 1) != 1:
+        out.append(_warn("config.num_hidden_layers", f"num_hidden_layers {config.get('num_hidden_layers')}: only the "
+                         "first (midlayer) decoder layer is checked"))
+    if config.get("tie_word_embeddings") is True:
+        out.append(_nogo("config.tie_word_embeddings", "tie_word_embeddings is true: the [draft_vocab, H] lm_head "
+                         "would be the embedding"))
     return out
 
 
