@@ -157,22 +157,69 @@ def test_gate_stops_before_the_phase(tmp_path, tiny_target, monkeypatch):
     assert not (tmp_path / "camp" / "generate").exists()
 
 
-def test_a_dflash_campaign_runs_every_phase(tmp_path, tiny_target):
-    """train.drafter = "dflash" through `specops run`: the same build and features, a DFlash
-    checkpoint, its two export formats, and an eval that drafts with the DFlash rule."""
-    cfg = make_cfg(tmp_path, tiny_target, train={"drafter": "dflash", "dflash_layers": 1},
+def test_three_families_side_by_side_each_resuming_alone(tmp_path, tiny_target):
+    """train.drafter = ["dflash", "eagle3", "peagle"] through `specops run`: one generate, build and
+    extract; each family's checkpoint, both export formats and an eval drafting by its own rule in its
+    own home (dflash, the first, at drafter/ and eval/; the others at drafters/<family>/); the report
+    sets the three side by side with the verdict. A rerun skips everything; a DFlash-only setting
+    changed retrains and re-evaluates DFlash alone."""
+    from specops.config import load_config
+    from specops.evaluate.report import campaign_verdict
+
+    fams = ["dflash", "eagle3", "peagle"]
+    cfg = make_cfg(tmp_path, tiny_target, train={"drafter": fams, "dflash_layers": 1},
                    eval={"datasets": ["mtbench"], "limit_per_dataset": 1, "k": 2, "max_new_tokens": 12})
     toml = tmp_path / "campaign.toml"
     toml.write_text(dump_toml(cfg.to_dict()))
-    out = specops("run", str(toml), "--no-progress", "--json")
-    assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a NO-GO verdict (a 3-step drafter)
+    out = specops("run", str(toml), "--no-progress")
+    assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a NO-GO verdict (3-step drafters)
     camp = tmp_path / "camp"
     m = json.loads((camp / "manifest.json").read_text())
-    assert all(m["phases"][p]["state"] == "done" for p in ORDER), {p: m["phases"][p]["state"] for p in ORDER}
+    keys = [*ORDER[:3], *(p if f == "dflash" else f"{p}:{f}" for f in fams for p in ("train", "export", "eval"))]
+    assert {k: m["phases"][k]["state"] for k in keys} == dict.fromkeys(keys, "done")
+    homes = {"dflash": camp / "drafter", "eagle3": camp / "drafters" / "eagle3", "peagle": camp / "drafters" / "peagle"}
+    evals = {"dflash": camp / "eval", "eagle3": homes["eagle3"] / "eval", "peagle": homes["peagle"] / "eval"}
+    summaries = {}
+    for f, home in homes.items():
+        assert json.loads(next(home.glob("checkpoints/*/drafter_config.json")).read_text())["family"] == f
+        spec = json.loads((home / "export" / "speculators" / "config.json").read_text())
+        assert spec["speculators_model_type"] == f
+        assert (home / "export" / "vllm" / "model.safetensors").is_file()
+        summaries[f] = json.loads((evals[f] / "summary.json").read_text())
+        assert summaries[f]["drafter_family"] == f and summaries[f]["drafter"].startswith(str(home))
+    assert not (camp / "eval" / "summary.json").read_text() == (evals["eagle3"] / "summary.json").read_text()
+
+    # the ending: a line per phase key, the campaign's verdict over the families, the report
+    lines = out.stdout.splitlines()
+    assert [line.split()[0] for line in lines[: len(keys)]] == keys and len(lines) == len(keys) + 2, out.stdout
+    v = campaign_verdict(camp)
+    assert lines[-2] == v["line"] and v["families"] == {f: summaries[f]["verdict"]["go"] for f in fams}
+    assert v["line"].startswith("GO: " if any(v["families"].values()) else ("NO-GO: none pays: ", "NOT JUDGED: "))
+    text = (camp / "eval" / "report.md").read_text()
+    assert f"**{v['line']}**" in text
+    table = text.split("## Drafter families side by side", 1)[1].split("\n\n", 2)[1].splitlines()
+    assert table[0].startswith("| family | tau T=0 | tau T=1 | acceptance per position | c (round/step) | loop x |")
+    assert [r.split(" | ")[0].strip("| ") for r in table[2:]] == fams
+    for f, row in zip(fams, table[2:]):
+        o = summaries[f]["overall"]
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == f"{o['tau']:.3f}" and cells[2] == "n/a"  # the loop ran at T=0; no served T=1
+        assert cells[3] == " ".join("n/a" if a is None else f"{a:.2f}" for a in o["acceptance_per_position"])
+        assert cells[4] == f"{o['cost_ratio_c'] * 2:.3f}" and cells[5] == f"{o['measured_speedup']:.2f}"
+        assert cells[6:8] == ["—", "—"]
+        assert cells[8] == {True: "GO", False: "NO-GO", None: "not judged"}[summaries[f]["verdict"]["go"]]
+    assert "Served eval did not run for dflash, eagle3, peagle" in text
+
+    # a rerun skips every key; a DFlash-only setting retrains the first family alone
+    assert run_all(load_config(toml), progress=False) == dict.fromkeys(keys, "skipped (done)")
+    before = {f: (next(homes[f].glob("checkpoints/*/model.safetensors")).read_bytes(),
+                  (evals[f] / "summary.json").read_text()) for f in ("eagle3", "peagle")}
+    toml.write_text(toml.read_text().replace("dflash_layers = 1", "dflash_layers = 2"))
+    res = run_all(load_config(toml), progress=False)
+    assert [k for k, r in res.items() if r != "skipped (done)"] == ["train", "export", "eval"], res
     ck = json.loads(next((camp / "drafter").glob("checkpoints/*/drafter_config.json")).read_text())
-    assert ck["family"] == "dflash" and ck["num_hidden_layers"] == 1 and ck["block_size"] == 3
-    vllm = json.loads((camp / "drafter" / "export" / "vllm" / "config.json").read_text())
-    assert vllm["architectures"] == ["DFlashDraftModel"]
-    spec = json.loads((camp / "drafter" / "export" / "speculators" / "config.json").read_text())
-    assert spec["speculators_model_type"] == "dflash"
-    assert json.loads((camp / "eval" / "summary.json").read_text())["drafter_family"] == "dflash"
+    assert ck["family"] == "dflash" and ck["num_hidden_layers"] == 2
+    assert list((camp / "archive").glob("train-*/drafter/checkpoints/step-3/model.safetensors"))
+    for f in ("eagle3", "peagle"):
+        assert (next(homes[f].glob("checkpoints/*/model.safetensors")).read_bytes(),
+                (evals[f] / "summary.json").read_text()) == before[f]

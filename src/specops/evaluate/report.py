@@ -188,6 +188,14 @@ def _pays(rows: list[dict[str, Any]]) -> tuple[str, str] | None:
     return None
 
 
+def _why(line: str) -> str:
+    """A family's verdict line without its GO / NO-GO head (the campaign line states that)."""
+    for head in ("GO: ", "NO-GO: ", "NOT JUDGED: "):
+        if line.startswith(head):
+            return line[len(head):]
+    return line
+
+
 def families_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The campaign's verdict over several families: the GO family that pays most (by `_pays`'s
     figure), or none. {go, line, best, ranked_by, families: {family: go}}."""
@@ -209,12 +217,13 @@ def families_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
         others = [r["family"] for r in go if r is not best]
         line = (f"GO: {best['family']} pays most ({', '.join(figs)}; ranked by {label})"
                 + (f"; also GO: {', '.join(others)}" if others else "")
-                + "".join(f"; {r['family']}: {r['verdict']['line']}" for r in rows if not r["verdict"]["go"]))
+                + "".join(f"; {r['family']} does not ({_why(r['verdict']['line'])})" for r in rows
+                          if not r["verdict"]["go"]))
         return {"go": True, "line": line, "best": best["family"], "ranked_by": key, "families": per}
     if not judged:
-        line = "NOT JUDGED: no family judged: " + "; ".join(f"{r['family']}: {r['verdict']['line']}" for r in rows)
+        line = "NOT JUDGED: no family judged: " + "; ".join(f"{r['family']}: {_why(r['verdict']['line'])}" for r in rows)
         return {"go": None, "line": line, "best": None, "ranked_by": None, "families": per}
-    line = "NO-GO: none pays: " + "; ".join(f"{r['family']}: {r['verdict']['line']}" for r in rows)
+    line = "NO-GO: none pays: " + "; ".join(f"{r['family']}: {_why(r['verdict']['line'])}" for r in rows)
     return {"go": False, "line": line, "best": None, "ranked_by": None, "families": per}
 
 
@@ -241,7 +250,7 @@ def _families_section(cmp: dict[str, Any]) -> tuple[list[str], list[str]]:
     for r in rows:
         tau0 = _f(r["tau_t0"], ".3f") + (" (served)" if r["tau_t0_from"] == "served" else "")
         tau1 = _f(r["tau_t1"], ".3f") + (" (served)" if r["tau_t1_from"] == "served" else "")
-        acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"] if a is not None) or "n/a"
+        acc = " ".join(_f(a, ".2f") for a in r["acceptance_per_position"]) or "n/a"  # n/a: a position never reached
         served = lambda v: _f(v, ".2f") if r["served"] else NOT_SERVED  # noqa: E731
         v = r["verdict"]
         body.append([r["family"], tau0, tau1, acc, _f(r["round_cost"], ".3f"), _f(r["loop_speedup"], ".2f"),
