@@ -76,6 +76,7 @@ def test_full_pipeline_then_resume_skips_everything(tmp_path, tiny_target, capsy
     assert rc == 0 and text.splitlines() == [f"{p:<8}  skipped  {rows[p]}" for p in ORDER[:4]] + [
         f"no verdict: this run stopped at train (--to); `specops run {toml}` goes on to eval, which judges the drafter"]
     check_each_verb(camp, toml, verb)
+    check_a_family_beside(camp, toml, verb)
 
     # bench/compare_campaigns.py: a copy compares equal; a changed checkpoint weight does not
     import shutil
@@ -122,7 +123,8 @@ def check_each_verb(camp: Path, toml: Path, verb) -> None:
     rc, text = verb("train", str(camp), "--json")
     assert rc == 0 and json.loads(text)["step"] == 3
     rc, text = verb("export", str(toml))
-    assert (rc, text) == (0, f"export done in 0s: vllm, speculators from step-3 in {camp / 'drafter' / 'export'}\n")
+    assert rc == 0 and re.fullmatch(r"export done in \d+s: vllm, speculators from step-3 in "
+                                    + re.escape(str(camp / "drafter" / "export")) + "\n", text), text
     rc, text = verb("export", str(toml), "--format", "vllm", "--json")
     assert rc == 0 and json.loads(text)["exports"] == {"vllm": str(camp / "drafter" / "export" / "vllm")}
     rc, text = verb("eval", str(toml))
@@ -135,6 +137,41 @@ def check_each_verb(camp: Path, toml: Path, verb) -> None:
     doc = json.loads(text)
     assert doc["overall"]["turns"] == 4 and doc["report"] == str(camp / "eval" / "report.md")
     assert doc["verdict"] == json.loads((camp / "eval" / "summary.json").read_text())["verdict"]
+
+
+def check_a_family_beside(camp: Path, toml: Path, verb) -> None:
+    """`specops train --drafter dflash` on the finished one-family campaign: DFlash trains at
+    drafters/dflash/ under its own phase key, drafter/ and its manifest entries untouched; export
+    and eval with --family follow it there; the report then sets the two families side by side,
+    and `run` (train.drafter still "eagle3") skips every phase."""
+    from specops.evaluate.report import campaign_verdict
+
+    files = lambda d: {p: p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}  # noqa: E731
+    before = files(camp / "drafter")
+    entries = {p: json.loads((camp / "manifest.json").read_text())["phases"][p] for p in ORDER[3:]}
+    home = camp / "drafters" / "dflash"
+    rc, text = verb("train", str(camp), "--drafter", "dflash")
+    assert rc == 0 and re.fullmatch(r"train done in \d+s: step 3 of 3, val simulated tau \d\.\d\d; checkpoint "
+                                    + re.escape(str(home / "checkpoints" / "step-3")) + "\n", text), text
+    assert json.loads((home / "checkpoints" / "step-3" / "drafter_config.json").read_text())["family"] == "dflash"
+    rc, text = verb("export", str(toml), "--family", "dflash")
+    assert rc == 0 and re.fullmatch(r"export done in \d+s: vllm, speculators from step-3 in "
+                                    + re.escape(str(home / "export")) + "\n", text), text
+    rc, text = verb("eval", str(toml), "--family", "dflash")
+    summary = json.loads((home / "eval" / "summary.json").read_text())
+    assert summary["drafter_family"] == "dflash" and summary["drafter"].startswith(str(home))
+    v = campaign_verdict(camp)
+    assert v["families"] == {"eagle3": json.loads((camp / "eval" / "summary.json").read_text())["verdict"]["go"],
+                             "dflash": summary["verdict"]["go"]}
+    lines = text.splitlines()
+    assert rc == (1 if v["go"] is False else 0) and lines[0].startswith("eval (dflash) done in ") and lines[1] == v["line"]
+    report = (camp / "eval" / "report.md").read_text()
+    assert f"**{v['line']}**" in report and "\n| eagle3 | " in report and "\n| dflash | " in report
+    m = json.loads((camp / "manifest.json").read_text())
+    assert files(camp / "drafter") == before and {p: m["phases"][p] for p in ORDER[3:]} == {
+        p: entries[p] for p in ORDER[3:]}
+    assert [m["phases"][f"{p}:dflash"]["state"] for p in ("train", "export", "eval")] == ["done"] * 3
+    assert verb("run", str(toml), "--json") == (0, json.dumps({p: "skipped (done)" for p in ORDER}, indent=1) + "\n")
 
 
 def test_gate_stops_before_the_phase(tmp_path, tiny_target, monkeypatch):

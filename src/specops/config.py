@@ -355,6 +355,14 @@ class TrainSection:
         """The families train.drafter names, the campaign's own drafter first."""
         return drafter_families(self.drafter)
 
+    def for_family(self, name: str) -> "TrainSection":
+        """This section as one family trains by it: drafter = `name`, and the keys only other families
+        read (FAMILY_TRAIN_KEYS) at their defaults."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        own = FAMILY_TRAIN_KEYS[check_family(name, "train.drafter")]
+        other = {k for ks in FAMILY_TRAIN_KEYS.values() for k in ks if k not in own}
+        return dataclasses.replace(self, drafter=name, **{k: defaults[k] for k in other})
+
 
 def check_family(name: str, where: str) -> str:
     """`name` if it is a drafter family, else a ConfigError naming `where` (and the closest name)."""

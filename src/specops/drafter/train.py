@@ -455,7 +455,9 @@ class _Trainer:
 
         from ..models import resolve_model_dir
 
-        self.cfg, self.tc, self.campaign, self.features_fn, self.dist = cfg, cfg.train, campaign, features_fn, dist
+        # the train section as this family reads it (drafter = its name; other families' keys unset)
+        tc = cfg.train.for_family(home.family)
+        self.cfg, self.tc, self.campaign, self.features_fn, self.dist = cfg, tc, campaign, features_fn, dist
         tc = self.tc
         set_kernel_options(ttt_attention=tc.ttt_attention, fused_loss=tc.fused_loss, compile_loss=tc.compile_loss,
                            compile_layer=tc.compile_layer, sdpa_cudnn=tc.sdpa_cudnn)
