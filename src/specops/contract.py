@@ -5,6 +5,11 @@ shape its output, the upstream phases whose outputs it reads, and a digest of it
 (None when the output is missing). When `specops run` finishes a phase it records that in the
 phase's manifest entry as `made_from` = {settings, inputs (the upstream output digests), output}.
 
+train, export and eval run once per drafter family of train.drafter: the first family's keys are
+the bare phase names, another family's "train:<family>" and so on (`keys`), each with its
+`DrafterHome` (campaign.py); a family's three keys are a chain of their own after the shared
+phases, so one family's change never makes another stale.
+
 A done phase is then
 - stale when an earlier phase is stale or not done, its output is missing, a setting it lists
   differs from the recorded value, or an upstream output digest differs from the recorded one;
