@@ -260,3 +260,14 @@ def test_three_families_side_by_side_each_resuming_alone(tmp_path, tiny_target):
     for f in ("eagle3", "peagle"):
         assert (next(homes[f].glob("checkpoints/*/model.safetensors")).read_bytes(),
                 (evals[f] / "summary.json").read_text()) == before[f]
+
+    # `specops reset train --family eagle3`: that family's files archived and its keys pending, alone
+    from specops.cli import main
+
+    assert main(["reset", "train", str(camp), "--family", "eagle3"]) == 0
+    m = json.loads((camp / "manifest.json").read_text())
+    assert {k: m["phases"][k]["state"] for k in keys if k.endswith(":eagle3")} == dict.fromkeys(
+        ["train:eagle3", "export:eagle3", "eval:eagle3"], "pending")
+    assert all(m["phases"][k]["state"] == "done" for k in keys if not k.endswith(":eagle3"))
+    assert not (homes["eagle3"] / "checkpoints").exists() and (homes["eagle3"] / "export").is_dir()
+    assert list((camp / "archive").glob("train-eagle3-*/drafters/eagle3/checkpoints/step-3/model.safetensors"))

@@ -331,7 +331,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_reset(args: argparse.Namespace) -> int:
     from .reset import reset
 
-    out = reset(_campaign_from_arg(args.campaign), args.phase, dataset=args.dataset)
+    out = reset(_campaign_from_arg(args.campaign), args.phase, dataset=args.dataset, family=args.family)
     print(f"archived {', '.join(out['moved']) or 'nothing'} to {out['archived_to']}; "
           f"pending: {', '.join(out['pending'])}")
     return 0
@@ -580,6 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("phase", help="generate, build, extract, train, export or eval")
     rs.add_argument("campaign", nargs="?", help="campaign directory or its campaign.toml (default: .)")
     rs.add_argument("--dataset", help="generate only: reset one dataset")
+    rs.add_argument("--family", help="train, export or eval of this drafter family only (drafters/<family>/)")
     rs.set_defaults(func=_cmd_reset)
 
     sp = sub.add_parser("stop", help="stop a running (e.g. detached) phase gracefully")

@@ -270,16 +270,10 @@ def keys(c: dict[str, Any]) -> list[str]:
 
 
 def outputs(c: dict[str, Any], root: Path, key: str) -> list[str]:
-    """The paths (relative to the campaign root) a phase key's output occupies: `specops reset`'s
-    for the shared phases and the first family, the same files in drafters/<family>/ for another."""
-    from .reset import OUTPUTS
+    """The paths (relative to the campaign root) a phase key's output occupies (reset.outputs_of)."""
+    from .reset import outputs_of
 
-    phase, _ = split_key(key)
-    home = home_of(c, root, key)
-    if home is None or home.first:
-        return list(OUTPUTS[phase])
-    rel = str(home.dir.relative_to(root))
-    return [rel + "/eval" if p == "eval" else rel + p[len("drafter"):] for p in OUTPUTS[phase]]
+    return outputs_of(home_of(c, root, key), root, split_key(key)[0])
 
 
 # ---------------------------------------------------------------- assess, record, replace
