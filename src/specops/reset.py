@@ -1,4 +1,5 @@
-"""`specops reset PHASE [--dataset NAME | --family NAME]`: set a phase's outputs aside (never delete) and mark it pending.
+"""`specops reset PHASE [--dataset NAME | --family NAME]`: set a phase's outputs aside (never delete)
+and mark it pending.
 
 Outputs move to `<campaign>/archive/<phase>[-<dataset>]-<UTC timestamp>/`, so data from a bad run
 (a wrong chat template, a server with the wrong reasoning parser) can be regenerated safely and

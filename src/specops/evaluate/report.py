@@ -221,7 +221,8 @@ def families_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
                           if not r["verdict"]["go"]))
         return {"go": True, "line": line, "best": best["family"], "ranked_by": key, "families": per}
     if not judged:
-        line = "NOT JUDGED: no family judged: " + "; ".join(f"{r['family']}: {_why(r['verdict']['line'])}" for r in rows)
+        line = "NOT JUDGED: no family judged: " + "; ".join(f"{r['family']}: {_why(r['verdict']['line'])}"
+                                                             for r in rows)
         return {"go": None, "line": line, "best": None, "ranked_by": None, "families": per}
     line = "NO-GO: none pays: " + "; ".join(f"{r['family']}: {_why(r['verdict']['line'])}" for r in rows)
     return {"go": False, "line": line, "best": None, "ranked_by": None, "families": per}
