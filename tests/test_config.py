@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,60 @@ def test_train_cuda_graphs_is_auto_unless_set():
     assert cfg().train.cuda_graphs == "auto"
     assert cfg(train={"cuda_graphs": False}).train.cuda_graphs is False
     assert cfg(train={"cuda_graphs": True, "graph_bucket": 64}).train.graph_bucket == 64
+
+
+@pytest.mark.parametrize(
+    "sections, needle",
+    [
+        ({"train": {"drafter": ["eagle3", "dflsh"]}},
+         "train.drafter: unknown drafter family 'dflsh' (did you mean 'dflash'?)"),
+        ({"train": {"drafter": ["eagle3", "dflash", "eagle3"]}}, "train.drafter: 'eagle3' is listed twice"),
+        ({"train": {"drafter": []}}, "train.drafter: an empty list"),
+        ({"train": {"drafter": 3}}, "train.drafter: expected a string or a list, got 3"),
+        ({"train": {"drafter": ["eagle3", "dflash"]}, "eval": {"batch_size": 4, "baseline": False}},
+         "eval.batch_size > 1: the batched loop has no DFlash runner, and train.drafter lists \"dflash\""),
+        ({"train": {"drafter": "eagle3", "mask_token_id": 2}}, "train.mask_token_id: EAGLE-3 drafts from its own"),
+        ({"train": {"drafter": ["eagle3", "peagle"]}, "serve": {"engine": "sglang"}, "eval": {"served": True}},
+         "eval.served with serve.engine = \"sglang\": SGLang serves no P-EAGLE drafter"),
+        ({"train": {"drafter": ["eagle3", "dflash"]}, "eval": {"drafter": "/some/export"}},
+         "eval.drafter: names one drafter, and train.drafter lists 2 families (eagle3, dflash)"),
+        ({"train": {"drafter": ["eagle3", "dflash"]}, "eval": {"server_url": "http://127.0.0.1:8000/v1"}},
+         "eval.server_url: a running server holds one drafter"),
+        ({"train": {"drafter": ["eagle3", "dflash"]}, "serve": {"drafter": "export:speculators"},
+          "eval": {"served": True}}, "serve.drafter = 'export:speculators': the served eval of several families"),
+    ],
+)
+def test_drafter_family_lists_are_checked_at_load(sections, needle):
+    with pytest.raises(ConfigError) as e:
+        cfg(**sections)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_list_of_families_loads_in_order_and_round_trips(tmp_path):
+    c = cfg(train={"drafter": ["dflash", "eagle3"], "mask_token_id": 2})
+    assert c.train.families == ("dflash", "eagle3")
+    assert cfg(train={"drafter": "peagle"}).train.families == ("peagle",)
+    (tmp_path / "c.toml").write_text(dump_toml(c.to_dict()))
+    assert load_config(tmp_path / "c.toml").train.families == ("dflash", "eagle3")
+
+
+def test_the_two_families_example_is_the_quickstart_with_two_drafters(tmp_path):
+    """examples/two-families.toml opens the quickstart's campaign: every setting but train.drafter
+    equal, so the quickstart's phases stay done and only DFlash runs; `specops preflight` takes it."""
+    import os
+
+    ex = Path(__file__).resolve().parents[1] / "examples"
+    qs, two = load_config(ex / "quickstart.toml"), load_config(ex / "two-families.toml")
+    assert two.train.families == ("eagle3", "dflash") and qs.train.families == ("eagle3",)
+    a, b = qs.to_dict(), two.to_dict()
+    assert b["train"].pop("drafter") == ["eagle3", "dflash"] and a["train"].pop("drafter", "eagle3") == "eagle3"
+    assert a == b and qs.campaign_dir() == two.campaign_dir()
+    src = Path(__file__).resolve().parents[1] / "src"
+    out = subprocess.run([sys.executable, "-m", "specops", "preflight", str(ex / "two-families.toml"), "--json",
+                          "--phases", "train"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(src), "HF_HUB_OFFLINE": "1",
+                              "TRANSFORMERS_OFFLINE": "1"})
+    assert out.returncode in (0, 1), out.stdout[-2000:] + out.stderr[-2000:]  # 1: warnings (a shared host)
+    rep = json.loads(out.stdout)
+    assert rep["campaign_dir"] == str(qs.campaign_dir()) and rep["status"] in ("go", "warn")
+    assert {"model.config": "go"}.items() <= {r["name"]: r["status"] for r in rep["results"]}.items()

@@ -76,6 +76,7 @@ def test_full_pipeline_then_resume_skips_everything(tmp_path, tiny_target, capsy
     assert rc == 0 and text.splitlines() == [f"{p:<8}  skipped  {rows[p]}" for p in ORDER[:4]] + [
         f"no verdict: this run stopped at train (--to); `specops run {toml}` goes on to eval, which judges the drafter"]
     check_each_verb(camp, toml, verb)
+    check_a_family_beside(camp, toml, verb)
 
     # bench/compare_campaigns.py: a copy compares equal; a changed checkpoint weight does not
     import shutil
@@ -122,7 +123,8 @@ def check_each_verb(camp: Path, toml: Path, verb) -> None:
     rc, text = verb("train", str(camp), "--json")
     assert rc == 0 and json.loads(text)["step"] == 3
     rc, text = verb("export", str(toml))
-    assert (rc, text) == (0, f"export done in 0s: vllm, speculators from step-3 in {camp / 'drafter' / 'export'}\n")
+    assert rc == 0 and re.fullmatch(r"export done in \d+s: vllm, speculators from step-3 in "
+                                    + re.escape(str(camp / "drafter" / "export")) + "\n", text), text
     rc, text = verb("export", str(toml), "--format", "vllm", "--json")
     assert rc == 0 and json.loads(text)["exports"] == {"vllm": str(camp / "drafter" / "export" / "vllm")}
     rc, text = verb("eval", str(toml))
@@ -135,6 +137,42 @@ def check_each_verb(camp: Path, toml: Path, verb) -> None:
     doc = json.loads(text)
     assert doc["overall"]["turns"] == 4 and doc["report"] == str(camp / "eval" / "report.md")
     assert doc["verdict"] == json.loads((camp / "eval" / "summary.json").read_text())["verdict"]
+
+
+def check_a_family_beside(camp: Path, toml: Path, verb) -> None:
+    """`specops train --drafter dflash` on the finished one-family campaign: DFlash trains at
+    drafters/dflash/ under its own phase key, drafter/ and its manifest entries untouched; export
+    and eval with --family follow it there; the report then sets the two families side by side,
+    and `run` (train.drafter still "eagle3") skips every phase."""
+    from specops.evaluate.report import campaign_verdict
+
+    files = lambda d: {p: p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}  # noqa: E731
+    before = files(camp / "drafter")
+    entries = {p: json.loads((camp / "manifest.json").read_text())["phases"][p] for p in ORDER[3:]}
+    home = camp / "drafters" / "dflash"
+    rc, text = verb("train", str(camp), "--drafter", "dflash")
+    assert rc == 0 and re.fullmatch(r"train done in \d+s: step 3 of 3, val simulated tau \d\.\d\d; checkpoint "
+                                    + re.escape(str(home / "checkpoints" / "step-3")) + "\n", text), text
+    assert json.loads((home / "checkpoints" / "step-3" / "drafter_config.json").read_text())["family"] == "dflash"
+    rc, text = verb("export", str(toml), "--family", "dflash")
+    assert rc == 0 and re.fullmatch(r"export done in \d+s: vllm, speculators from step-3 in "
+                                    + re.escape(str(home / "export")) + "\n", text), text
+    rc, text = verb("eval", str(toml), "--family", "dflash")
+    summary = json.loads((home / "eval" / "summary.json").read_text())
+    assert summary["drafter_family"] == "dflash" and summary["drafter"].startswith(str(home))
+    v = campaign_verdict(camp)
+    assert v["families"] == {"eagle3": json.loads((camp / "eval" / "summary.json").read_text())["verdict"]["go"],
+                             "dflash": summary["verdict"]["go"]}
+    lines = text.splitlines()
+    assert rc == (1 if v["go"] is False else 0) and lines[0].startswith("eval (dflash) done in ")
+    assert lines[1] == v["line"]
+    report = (camp / "eval" / "report.md").read_text()
+    assert f"**{v['line']}**" in report and "\n| eagle3 | " in report and "\n| dflash | " in report
+    m = json.loads((camp / "manifest.json").read_text())
+    assert files(camp / "drafter") == before and {p: m["phases"][p] for p in ORDER[3:]} == {
+        p: entries[p] for p in ORDER[3:]}
+    assert [m["phases"][f"{p}:dflash"]["state"] for p in ("train", "export", "eval")] == ["done"] * 3
+    assert verb("run", str(toml), "--json") == (0, json.dumps({p: "skipped (done)" for p in ORDER}, indent=1) + "\n")
 
 
 def test_gate_stops_before_the_phase(tmp_path, tiny_target, monkeypatch):
@@ -157,22 +195,80 @@ def test_gate_stops_before_the_phase(tmp_path, tiny_target, monkeypatch):
     assert not (tmp_path / "camp" / "generate").exists()
 
 
-def test_a_dflash_campaign_runs_every_phase(tmp_path, tiny_target):
-    """train.drafter = "dflash" through `specops run`: the same build and features, a DFlash
-    checkpoint, its two export formats, and an eval that drafts with the DFlash rule."""
-    cfg = make_cfg(tmp_path, tiny_target, train={"drafter": "dflash", "dflash_layers": 1},
+def test_three_families_side_by_side_each_resuming_alone(tmp_path, tiny_target):
+    """train.drafter = ["dflash", "eagle3", "peagle"] through `specops run`: one generate, build and
+    extract; each family's checkpoint, both export formats and an eval drafting by its own rule in its
+    own home (dflash, the first, at drafter/ and eval/; the others at drafters/<family>/); the report
+    sets the three side by side with the verdict. A rerun skips everything; a DFlash-only setting
+    changed retrains and re-evaluates DFlash alone."""
+    from specops.config import load_config
+    from specops.evaluate.report import campaign_verdict
+
+    fams = ["dflash", "eagle3", "peagle"]
+    cfg = make_cfg(tmp_path, tiny_target, train={"drafter": fams, "dflash_layers": 1},
                    eval={"datasets": ["mtbench"], "limit_per_dataset": 1, "k": 2, "max_new_tokens": 12})
     toml = tmp_path / "campaign.toml"
     toml.write_text(dump_toml(cfg.to_dict()))
-    out = specops("run", str(toml), "--no-progress", "--json")
-    assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a NO-GO verdict (a 3-step drafter)
+    out = specops("run", str(toml), "--no-progress")
+    assert out.returncode in (0, 1), out.stderr[-3000:]  # 1: a NO-GO verdict (3-step drafters)
     camp = tmp_path / "camp"
     m = json.loads((camp / "manifest.json").read_text())
-    assert all(m["phases"][p]["state"] == "done" for p in ORDER), {p: m["phases"][p]["state"] for p in ORDER}
+    keys = [*ORDER[:3], *(p if f == "dflash" else f"{p}:{f}" for f in fams for p in ("train", "export", "eval"))]
+    assert {k: m["phases"][k]["state"] for k in keys} == dict.fromkeys(keys, "done")
+    homes = {"dflash": camp / "drafter", "eagle3": camp / "drafters" / "eagle3", "peagle": camp / "drafters" / "peagle"}
+    evals = {"dflash": camp / "eval", "eagle3": homes["eagle3"] / "eval", "peagle": homes["peagle"] / "eval"}
+    summaries = {}
+    for f, home in homes.items():
+        assert json.loads(next(home.glob("checkpoints/*/drafter_config.json")).read_text())["family"] == f
+        spec = json.loads((home / "export" / "speculators" / "config.json").read_text())
+        assert spec["speculators_model_type"] == f
+        assert (home / "export" / "vllm" / "model.safetensors").is_file()
+        summaries[f] = json.loads((evals[f] / "summary.json").read_text())
+        assert summaries[f]["drafter_family"] == f and summaries[f]["drafter"].startswith(str(home))
+    assert not (camp / "eval" / "summary.json").read_text() == (evals["eagle3"] / "summary.json").read_text()
+
+    # the ending: a line per phase key, the campaign's verdict over the families, the report
+    lines = out.stdout.splitlines()
+    assert [line.split()[0] for line in lines[: len(keys)]] == keys and len(lines) == len(keys) + 2, out.stdout
+    v = campaign_verdict(camp)
+    assert lines[-2] == v["line"] and v["families"] == {f: summaries[f]["verdict"]["go"] for f in fams}
+    assert v["line"].startswith("GO: " if any(v["families"].values()) else ("NO-GO: none pays: ", "NOT JUDGED: "))
+    text = (camp / "eval" / "report.md").read_text()
+    assert f"**{v['line']}**" in text
+    table = text.split("## Drafter families side by side", 1)[1].split("\n\n", 2)[1].splitlines()
+    assert table[0].startswith("| family | tau T=0 | tau T=1 | acceptance per position | c (round/step) | loop x |")
+    assert [r.split(" | ")[0].strip("| ") for r in table[2:]] == fams
+    for f, row in zip(fams, table[2:]):
+        o = summaries[f]["overall"]
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == f"{o['tau']:.3f}" and cells[2] == "n/a"  # the loop ran at T=0; no served T=1
+        assert cells[3] == " ".join("n/a" if a is None else f"{a:.2f}" for a in o["acceptance_per_position"])
+        assert cells[4] == f"{o['cost_ratio_c'] * 2:.3f}" and cells[5] == f"{o['measured_speedup']:.2f}"
+        assert cells[6:8] == ["—", "—"]
+        assert cells[8] == {True: "GO", False: "NO-GO", None: "not judged"}[summaries[f]["verdict"]["go"]]
+    assert "Served eval did not run for dflash, eagle3, peagle" in text
+
+    # a rerun skips every key; a DFlash-only setting retrains the first family alone
+    assert run_all(load_config(toml), progress=False) == dict.fromkeys(keys, "skipped (done)")
+    before = {f: (next(homes[f].glob("checkpoints/*/model.safetensors")).read_bytes(),
+                  (evals[f] / "summary.json").read_text()) for f in ("eagle3", "peagle")}
+    toml.write_text(toml.read_text().replace("dflash_layers = 1", "dflash_layers = 2"))
+    res = run_all(load_config(toml), progress=False)
+    assert [k for k, r in res.items() if r != "skipped (done)"] == ["train", "export", "eval"], res
     ck = json.loads(next((camp / "drafter").glob("checkpoints/*/drafter_config.json")).read_text())
-    assert ck["family"] == "dflash" and ck["num_hidden_layers"] == 1 and ck["block_size"] == 3
-    vllm = json.loads((camp / "drafter" / "export" / "vllm" / "config.json").read_text())
-    assert vllm["architectures"] == ["DFlashDraftModel"]
-    spec = json.loads((camp / "drafter" / "export" / "speculators" / "config.json").read_text())
-    assert spec["speculators_model_type"] == "dflash"
-    assert json.loads((camp / "eval" / "summary.json").read_text())["drafter_family"] == "dflash"
+    assert ck["family"] == "dflash" and ck["num_hidden_layers"] == 2
+    assert list((camp / "archive").glob("train-*/drafter/checkpoints/step-3/model.safetensors"))
+    for f in ("eagle3", "peagle"):
+        assert (next(homes[f].glob("checkpoints/*/model.safetensors")).read_bytes(),
+                (evals[f] / "summary.json").read_text()) == before[f]
+
+    # `specops reset train --family eagle3`: that family's files archived and its keys pending, alone
+    from specops.cli import main
+
+    assert main(["reset", "train", str(camp), "--family", "eagle3"]) == 0
+    m = json.loads((camp / "manifest.json").read_text())
+    assert {k: m["phases"][k]["state"] for k in keys if k.endswith(":eagle3")} == dict.fromkeys(
+        ["train:eagle3", "export:eagle3", "eval:eagle3"], "pending")
+    assert all(m["phases"][k]["state"] == "done" for k in keys if not k.endswith(":eagle3"))
+    assert not (homes["eagle3"] / "checkpoints").exists() and (homes["eagle3"] / "export").is_dir()
+    assert list((camp / "archive").glob("train-eagle3-*/drafters/eagle3/checkpoints/step-3/model.safetensors"))

@@ -273,3 +273,68 @@ def test_the_run_ending_states_the_served_figures_and_the_reports_verdict(tmp_pa
         f"report: {md} (report.html beside it)",
     ]
     assert f"**{lines[2]}**" in md.read_text()
+
+
+def _family_eval(camp: Campaign, family: str, tps: float, tau: float) -> Path:
+    """A further family's eval summary at drafters/<family>/eval/ (the loop's figures, the same shape
+    as eval/summary.json)."""
+    d = camp.root / "drafters" / family / "eval"
+    d.mkdir(parents=True)
+    o = overall(tau, tps)
+    (d / "summary.json").write_text(json.dumps({"format": "specops-eval-v1", "k": 3, "temperature": 0.0,
+                                                "drafter_family": family, "datasets": {"mtbench": o},
+                                                "overall": o}))
+    return d
+
+
+def _served_at(c1: float, c8: float) -> dict:
+    return {"k": 3, "tau_t0": 2.5, "tau_t1": 1.9, "per_position_t0": [0.8, 0.5, 0.2],
+            "speedup": {"t0_c1": {"concurrency": 1, "spec_tokens_per_s": 60.0, "speedup": c1},
+                        "t0_cN": {"concurrency": 8, "spec_tokens_per_s": 300.0, "speedup": c8}}}
+
+
+def _family_rows(text: str) -> dict[str, list[str]]:
+    table = text.split("## Drafter families side by side", 1)[1].split("\n\n", 2)[1].splitlines()
+    return {cells[0]: cells[1:] for cells in ([c.strip() for c in r.strip("|").split("|")] for r in table[2:])}
+
+
+def test_families_side_by_side_name_the_one_that_pays_most(tmp_path):
+    """Three families' eval files: the table (tau at T=0 and T=1, acceptance, c per round, loop and
+    served speedups), and the verdict naming the GO family with the best common figure; without a
+    served eval for every family the loop's speedup ranks them and the missing columns show "—"."""
+    from html import escape
+
+    from specops.evaluate.report import campaign_verdict
+
+    camp = make_campaign(tmp_path / "c", eval_toml="")  # eagle3 at eval/: loop 171 tok/s vs 50 (3.42x)
+    dflash = _family_eval(camp, "dflash", tps=120.0, tau=2.9)  # 2.40x
+    peagle = _family_eval(camp, "peagle", tps=40.0, tau=1.4)  # 0.80x: NO-GO
+    (dflash / "served.json").write_text(json.dumps(_served_at(1.9, 1.4)))
+    md, html = write_report(camp)
+    text = md.read_text()
+    line = ("GO: eagle3 pays most (loop 3.42x, tau 3.20; ranked by measured speedup in specops' loop); also GO: "
+            "dflash; peagle does not (measured speedup 0.80x <= 1x vs the in-process target-only baseline)")
+    assert campaign_verdict(camp)["line"] == line and f"**{line}**" in text and escape(line) in html.read_text()
+    rows = _family_rows(text)
+    assert list(rows) == ["eagle3", "dflash", "peagle"]  # train.drafter's default first, then by name
+    assert rows["eagle3"] == ["3.200", "n/a", "0.80 0.60 0.40", f"{3 * 2 / 30:.3f}", "3.42", "—", "—", "GO"]
+    # dflash: its served figures decide its own verdict (1.90x at c=1), T=1 tau from the served eval
+    assert rows["dflash"] == ["2.900", "1.900 (served)", "0.80 0.60 0.40", "0.200", "2.40", "1.90", "1.40", "GO"]
+    assert rows["peagle"][4:] == ["0.80", "—", "—", "NO-GO"]
+    assert "Served eval did not run for eagle3, peagle" in text and "| served x c=8 |" in text
+
+    # every family served: the served speedup at concurrency 1 ranks them, whatever the loop said
+    (camp.root / "eval" / "served.json").write_text(json.dumps(_served_at(1.3, 1.1)))
+    (peagle / "served.json").write_text(json.dumps(_served_at(0.9, 0.7)))
+    v = campaign_verdict(camp)
+    assert v["best"] == "dflash" and v["ranked_by"] == "served_speedup_c1"
+    assert v["line"].startswith("GO: dflash pays most (served 1.90x at c=1, 1.40x at c=8, loop 2.40x, tau 2.90; "
+                                "ranked by served speedup at concurrency 1); also GO: eagle3; peagle does not ("), v
+    assert v["families"] == {"eagle3": True, "dflash": True, "peagle": False}
+    text = write_report(camp)[0].read_text()
+    assert "Served eval did not run" not in text and _family_rows(text)["peagle"][5:] == ["0.90", "0.70", "NO-GO"]
+
+    # none pays: every family NO-GO (here against a min_tau line none reaches)
+    (camp.root / "campaign.toml").write_text('[campaign]\nname = "r"\n\n[eval]\nmin_tau = 4.0\n')
+    v = campaign_verdict(camp)
+    assert v["go"] is False and v["best"] is None and v["line"].startswith("NO-GO: none pays: eagle3: tau 2.50 < 4")

@@ -5,6 +5,9 @@
       manifest.json     phase states (pending | running | done | failed) with timestamps
       run/              lock (flock), pid, heartbeat.json, runner.log
       generate/<dataset>/records.jsonl failed.jsonl quarantine.jsonl stats.json
+      drafter/          the first family of train.drafter: checkpoints/, metrics.jsonl, manifest.json, export/
+      eval/             its evaluation, and the report of every family
+      drafters/<family>/  each further family: the same files as drafter/, and its own eval/
 
 Small files are replaced atomically (write to a temp file in the same directory, fsync, rename),
 so a reader never sees a torn manifest, stats or heartbeat file.
@@ -22,13 +25,16 @@ import shlex
 import socket
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from . import __version__
-from .config import Config, dump_toml
+from .config import Config, drafter_families, dump_toml
 from .errors import CampaignLocked, ConfigError
 
 PHASES = ("generate", "build", "extract", "train", "export", "eval")
+# The phases each drafter family of a campaign runs on its own (the ones before them are shared).
+DRAFTER_PHASES = ("train", "export", "eval")
 # The dataset keys that decide what its records hold: changing one needs a reset of those records.
 _DATASET_IDENTITY = ("source", "path", "format", "turns", "system_prompt", "tools")
 
@@ -114,6 +120,40 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class DrafterHome:
+    """Where one drafter family of a campaign lives, and the manifest keys of its phases.
+
+    The first family of train.drafter is the campaign's drafter: drafter/ and eval/, manifest phases
+    "train", "export", "eval" (the layout of a one-family campaign, so every campaign written before
+    several families existed reads as it was). A further family lives at drafters/<family>/ (its
+    checkpoints, metrics, manifest, export/ and eval/ there) under phases "train:<family>" and so on.
+    """
+
+    family: str
+    dir: Path  # checkpoints/, metrics.jsonl, manifest.json, export/<format>/
+    eval_dir: Path  # summary.json, <dataset>.json, served.json (and, for the first family, the report)
+    first: bool
+
+    def key(self, phase: str) -> str:
+        assert phase in DRAFTER_PHASES, phase
+        return phase if self.first else f"{phase}:{self.family}"
+
+
+def split_key(key: str) -> tuple[str, str | None]:
+    """A manifest phase key -> (phase, family); family None for the shared keys and the first family."""
+    phase, _, family = key.partition(":")
+    return phase, family or None
+
+
+def drafter_home(root: Path, first: str, family: str | None = None) -> DrafterHome:
+    """The home of `family` (default: `first`, the first family of train.drafter) under `root`."""
+    family = family or first
+    if family == first:
+        return DrafterHome(family, root / "drafter", root / "eval", True)
+    return DrafterHome(family, root / "drafters" / family, root / "drafters" / family / "eval", False)
+
+
 class Campaign:
     """Paths and manifest of one campaign directory."""
 
@@ -155,6 +195,24 @@ class Campaign:
 
     def dataset_dir(self, dataset: str) -> Path:
         return self.root / "generate" / dataset
+
+    def drafter_home(self, cfg: Config, family: str | None = None) -> DrafterHome:
+        """The home of `family` (default: the first of train.drafter, the campaign's drafter). A family
+        train.drafter does not list (`specops train --drafter X`) lives beside the others."""
+        return drafter_home(self.root, cfg.train.families[0], family)
+
+    def drafter_homes(self, cfg: Config) -> list[DrafterHome]:
+        """Every family of train.drafter, the first one first."""
+        return [self.drafter_home(cfg, f) for f in cfg.train.families]
+
+    def evaluated_homes(self) -> list[DrafterHome]:
+        """The drafter homes that hold an eval summary, in the order of the campaign's train.drafter,
+        then any other family evaluated here (e.g. `specops train --drafter X` + `eval --family X`)."""
+        cfg = (self.read_manifest() or {}).get("config") or {}
+        fams = drafter_families((cfg.get("train") or {}).get("drafter"))
+        others = sorted(p.name for p in (self.root / "drafters").iterdir()) if (self.root / "drafters").is_dir() else []
+        homes = [drafter_home(self.root, fams[0], f) for f in dict.fromkeys([*fams, *others])]
+        return [h for h in homes if (h.eval_dir / "summary.json").is_file() or (h.eval_dir / "served.json").is_file()]
 
     # ---------------------------------------------------------------- create / open
     @classmethod

@@ -283,7 +283,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     camp = _campaign_from_arg(args.campaign)
     t0 = time.monotonic()
-    summary = run_train(_phase_config(camp), camp, max_steps=args.max_steps)
+    summary = run_train(_phase_config(camp), camp, max_steps=args.max_steps, family=args.family)
     if _rank() == 0:
         if args.json:
             print(json.dumps(summary, indent=1))
@@ -295,8 +295,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
             if summary.get("finished"):
                 print(f"train done in {duration(time.monotonic() - t0)}: {what}")
             else:
+                flag = f" --drafter {args.family}" if args.family else ""
                 print(f"train stopped in {duration(time.monotonic() - t0)} (--max-steps): {what}; "
-                      f"`specops train {args.campaign}` resumes it")
+                      f"`specops train {args.campaign}{flag}` resumes it")
     return 0
 
 
@@ -322,7 +323,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     camp = Campaign.create_or_open(cfg)
     formats = tuple(args.format.split(",")) if args.format else ("vllm", "speculators")
     t0 = time.monotonic()
-    out = run_export(cfg, camp, checkpoint=args.checkpoint, formats=formats)
+    out = run_export(cfg, camp, checkpoint=args.checkpoint, formats=formats, family=args.family)
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -335,7 +336,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_reset(args: argparse.Namespace) -> int:
     from .reset import reset
 
-    out = reset(_campaign_from_arg(args.campaign), args.phase, dataset=args.dataset)
+    out = reset(_campaign_from_arg(args.campaign), args.phase, dataset=args.dataset, family=args.family)
     print(f"archived {', '.join(out['moved']) or 'nothing'} to {out['archived_to']}; "
           f"pending: {', '.join(out['pending'])}")
     return 0
@@ -388,36 +389,63 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .report_cli import duration, eval_what, report_line, served_what
 
     cfg = load_config(args.campaign) if args.campaign.endswith(".toml") else load_config(camp.config_path)
+    from .config import check_family
+    from .errors import ConfigError
+
+    if args.family:
+        families = [check_family(args.family, "--family")]
+    elif args.drafter or args.url:  # one drafter: the first family's slot
+        families = [cfg.train.families[0]]
+    else:
+        families = list(cfg.train.families)
+    if len(cfg.train.families) > 1 and (args.drafter or args.url) and not args.family:
+        raise ConfigError("eval: --drafter / --url give one drafter and train.drafter lists several families; "
+                          "add --family NAME (whose eval it is)")
     served_only = bool(args.served or args.url)
-    summary: dict = {}
     lines: list[str] = []
     out: dict = {}  # --json
-    if not served_only:
-        t0 = time.monotonic()
-        summary = run_eval(with_workers(cfg, args.workers, args.batch_size), camp, drafter_dir=args.drafter)
-        out["overall"] = summary.get("overall", summary)
-        lines.append(f"eval done in {duration(time.monotonic() - t0)}: "
-                     f"{eval_what(out['overall'], list(summary.get('datasets') or []))}")
-    if served_only or cfg.eval.served or cfg.eval.server_url:
-        from .evaluate.report import verdict
-        from .evaluate.report import brief
-        from .serve import evaluate_served
+    verdicts: dict = {}
+    for family in families:
+        home = camp.drafter_home(cfg, family)
+        summary: dict = {}
+        fout: dict = {}
+        tag = f" ({family})" if len(families) > 1 or not home.first else ""
+        if not served_only:
+            t0 = time.monotonic()
+            summary = run_eval(with_workers(cfg, args.workers, args.batch_size), camp, drafter_dir=args.drafter,
+                               family=family)
+            fout["overall"] = summary.get("overall", summary)
+            lines.append(f"eval{tag} done in {duration(time.monotonic() - t0)}: "
+                         f"{eval_what(fout['overall'], list(summary.get('datasets') or []))}")
+        if served_only or cfg.eval.served or cfg.eval.server_url:
+            from .evaluate.report import verdict
+            from .evaluate.report import brief
+            from .serve import evaluate_served
 
-        t0 = time.monotonic()
-        result = evaluate_served(cfg, camp, url=args.url, baseline_url=args.baseline_url,
-                                 concurrency=args.concurrency, interop=False if args.no_interop else None)
-        b = brief(result)
-        out["served"] = b
-        lines.append(f"served eval done in {duration(time.monotonic() - t0)}: {served_what(b)}")
-        if result.get("interop"):
-            lines.append(result["interop"]["line"])
-        if not summary:
-            summary = {"verdict": verdict({}, baseline_tokens_per_s=cfg.eval.baseline_tokens_per_s,
-                                          min_tau=cfg.eval.min_tau, served=b)}
+            t0 = time.monotonic()
+            result = evaluate_served(cfg, camp, url=args.url, baseline_url=args.baseline_url,
+                                     concurrency=args.concurrency, interop=False if args.no_interop else None,
+                                     family=family)
+            b = brief(result)
+            fout["served"] = b
+            lines.append(f"served eval{tag} done in {duration(time.monotonic() - t0)}: {served_what(b)}")
+            if result.get("interop"):
+                lines.append(result["interop"]["line"])
+            if not summary:
+                summary = {"verdict": verdict({}, baseline_tokens_per_s=cfg.eval.baseline_tokens_per_s,
+                                              min_tau=cfg.eval.min_tau, served=b)}
+            else:
+                summary = json.loads((home.eval_dir / "summary.json").read_text())
+        verdicts[family] = summary.get("verdict") or {}
+        if len(families) == 1:
+            out.update(fout)
         else:
-            summary = json.loads((camp.root / "eval" / "summary.json").read_text())
+            out.setdefault("families", {})[family] = fout
     md, html = write_report(camp)
-    v = summary.get("verdict") or {}
+    from .evaluate.report import campaign_verdict
+
+    # one family: its own verdict; several evaluated: the one that pays most, or none
+    v = verdicts[families[0]] if len(families) == 1 and len(camp.evaluated_homes()) < 2 else campaign_verdict(camp)
     if args.json:
         print(json.dumps({**out, "verdict": v, "report": str(md), "report_html": str(html)}, indent=1, default=str))
     else:
@@ -472,8 +500,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--json", action="store_true", help="print the summary as JSON")
     ex.set_defaults(func=_cmd_extract)
 
-    tr = sub.add_parser("train", help="train the EAGLE-3 drafter (training-time test, resumable)")
+    tr = sub.add_parser("train", help="train the drafter (resumable); --drafter FAMILY trains another beside it")
     tr.add_argument("campaign", help="campaign directory or its campaign.toml")
+    tr.add_argument("--drafter", "--family", dest="family", metavar="FAMILY",
+                    help="the drafter family to train (default: the first of train.drafter); another family "
+                         "trains at drafters/<family>/, never touching drafter/")
     tr.add_argument("--max-steps", type=int, help="stop after this step (resumable; the schedule is unchanged)")
     tr.add_argument("--json", action="store_true", help="print the summary as JSON")
     tr.set_defaults(func=_cmd_train)
@@ -481,6 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     xp = sub.add_parser("export", help="write drafters vLLM/SGLang and speculators load; --check validates any dir")
     xp.add_argument("campaign", nargs="?", help="campaign.toml")
     xp.add_argument("--checkpoint", help="a training checkpoint dir (default: the latest)")
+    xp.add_argument("--family", help="the drafter family to export (default: the first of train.drafter)")
     xp.add_argument("--format", help="comma-separated: vllm,speculators (default both)")
     xp.add_argument("--check", metavar="DIR", help="validate a drafter directory (ours or third-party)")
     xp.add_argument("--target", help="target model dir or config.json, to range-check layer ids (--check)")
@@ -500,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="real speculative decoding: tau, acceptance per position, speedup; report")
     ev.add_argument("campaign", help="campaign.toml or campaign directory")
     ev.add_argument("--drafter", help="a drafter export or checkpoint dir (default: the campaign's newest)")
+    ev.add_argument("--family", help="evaluate this drafter family only (default: every family of train.drafter)")
     ev.add_argument("--workers", type=int, metavar="N",
                     help="N processes share the prompts on the one device (overrides eval.workers; "
                          "tau and acceptance are exact, the speedup needs 1)")
@@ -552,6 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("phase", help="generate, build, extract, train, export or eval")
     rs.add_argument("campaign", nargs="?", help="campaign directory or its campaign.toml (default: .)")
     rs.add_argument("--dataset", help="generate only: reset one dataset")
+    rs.add_argument("--family", help="train, export or eval of this drafter family only (drafters/<family>/)")
     rs.set_defaults(func=_cmd_reset)
 
     sp = sub.add_parser("stop", help="stop a running (e.g. detached) phase gracefully")

@@ -232,6 +232,18 @@ DRAFTER_FAMILIES = ("eagle3", "peagle", "dflash")
 # train.drafter_layer: the EAGLE-3 decoder layer's attention (drafter.model.DRAFTER_LAYERS past "auto").
 DRAFTER_LAYERS = ("auto", "llama", "mla")
 
+# The train keys only some families read (the rest read every train key): a change of one retrains
+# only the families that read it (contract.py), and a key no listed family reads is refused.
+FAMILY_TRAIN_KEYS = {"eagle3": ("drafter_layer",), "peagle": ("mask_token_id",), "dflash": ("dflash_layers", "mask_token_id")}
+
+
+def drafter_families(value: str | list[str] | None) -> tuple[str, ...]:
+    """train.drafter as the families it names, in order: a name or a list of names (the first is the
+    campaign's drafter, at drafter/; the others at drafters/<family>/)."""
+    if value is None:
+        return ("eagle3",)
+    return (value,) if isinstance(value, str) else tuple(value)
+
 
 @dataclass(kw_only=True)
 class TrainSection:
@@ -241,7 +253,9 @@ class TrainSection:
     # (served by vLLM with parallel_drafting); "dflash" drafts a block of k tokens in one forward of
     # its own decoder layers, their queries attending to context keys made from the target's states
     # (vLLM method "dflash"). A checkpoint records its family; export, eval and a resume rebuild that one.
-    drafter: str = "eagle3"
+    # A list (["eagle3", "dflash"]) trains, exports and evaluates each family in one campaign, side by
+    # side in the report: the first at drafter/ (and eval/), the others at drafters/<family>/.
+    drafter: str | list[str] = "eagle3"
     # EAGLE-3: its decoder layer's attention. "llama" (GQA q/k/v_proj; vLLM LlamaForCausalLMEagle3),
     # "mla" (DeepSeek's multi-head latent attention with the target's MLA sizes; vLLM
     # Eagle3DeepseekV3ForCausalLM, drafter/mla.py), or "auto": "mla" when the target's (text)
@@ -337,24 +351,50 @@ class TrainSection:
             raise ConfigError(f"train.loss_decay: must be in (0, 1], got {self.loss_decay}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
-        if self.drafter not in DRAFTER_FAMILIES:
-            close = difflib.get_close_matches(self.drafter, DRAFTER_FAMILIES, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"train.drafter: unknown drafter family {self.drafter!r}{hint}; expected one of "
-                              f"{', '.join(map(repr, DRAFTER_FAMILIES))}")
+        if isinstance(self.drafter, list) and not self.drafter:
+            raise ConfigError("train.drafter: an empty list; name at least one drafter family")
+        seen: set[str] = set()
+        for name in self.families:
+            check_family(name, "train.drafter")
+            if name in seen:
+                raise ConfigError(f"train.drafter: {name!r} is listed twice; each family trains once per campaign")
+            seen.add(name)
         if self.drafter_layer not in DRAFTER_LAYERS:
             raise ConfigError(f"train.drafter_layer: {self.drafter_layer!r}; expected one of "
                               f"{', '.join(map(repr, DRAFTER_LAYERS))}")
-        if self.drafter_layer == "mla" and self.drafter != "eagle3":
+        if self.drafter_layer == "mla" and "eagle3" not in self.families:
             raise ConfigError(f"train.drafter_layer = \"mla\": only the EAGLE-3 drafter has an MLA layer "
-                              f"(train.drafter = {self.drafter!r}); set train.drafter = \"eagle3\" or "
+                              f"(train.drafter = {self.drafter!r}); add \"eagle3\" to train.drafter or set "
                               "train.drafter_layer = \"auto\"")
         if self.mask_token_id is not None:
             if self.mask_token_id < 0:
                 raise ConfigError(f"train.mask_token_id: must be a token id >= 0, got {self.mask_token_id}")
-            if self.drafter == "eagle3":
+            if not any("mask_token_id" in FAMILY_TRAIN_KEYS[f] for f in self.families):
                 raise ConfigError("train.mask_token_id: EAGLE-3 drafts from its own tokens and has no mask token; "
-                                  "remove it, or set train.drafter = \"peagle\" or \"dflash\"")
+                                  "remove it, or add \"peagle\" or \"dflash\" to train.drafter")
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The families train.drafter names, the campaign's own drafter first."""
+        return drafter_families(self.drafter)
+
+    def for_family(self, name: str) -> "TrainSection":
+        """This section as one family trains by it: drafter = `name`, and the keys only other families
+        read (FAMILY_TRAIN_KEYS) at their defaults."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        own = FAMILY_TRAIN_KEYS[check_family(name, "train.drafter")]
+        other = {k for ks in FAMILY_TRAIN_KEYS.values() for k in ks if k not in own}
+        return dataclasses.replace(self, drafter=name, **{k: defaults[k] for k in other})
+
+
+def check_family(name: str, where: str) -> str:
+    """`name` if it is a drafter family, else a ConfigError naming `where` (and the closest name)."""
+    if name not in DRAFTER_FAMILIES:
+        close = difflib.get_close_matches(name, DRAFTER_FAMILIES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{where}: unknown drafter family {name!r}{hint}; expected one of "
+                          f"{', '.join(map(repr, DRAFTER_FAMILIES))}")
+    return name
 
 
 # Eval prompt sets: the built-in sources meant for evaluation, or "file" (a path is then required).
@@ -703,6 +743,8 @@ def _validate(cfg: Config) -> None:
         if sv.drafter not in SERVE_DRAFTER_EXPORTS:
             sv.drafter = resolve(sv.drafter)  # existence is checked when the server starts
 
+    _check_families(cfg)
+
     if not cfg.datasets:
         raise ConfigError("datasets: at least one [[datasets]] entry is required")
     seen: set[str] = set()
@@ -736,6 +778,31 @@ def _validate(cfg: Config) -> None:
         _check_positive(ds.temperature, f"{key}.temperature", allow_zero=True)
         if ds.top_p is not None and not 0 < ds.top_p <= 1:
             raise ConfigError(f"{key}.top_p: must be in (0, 1], got {ds.top_p}")
+
+
+def _check_families(cfg: Config) -> None:
+    """What the families of train.drafter refuse of the other sections, before anything runs."""
+    fams = cfg.train.families
+    if "dflash" in fams and cfg.eval.batch_size > 1:
+        raise ConfigError("eval.batch_size > 1: the batched loop has no DFlash runner, and train.drafter lists "
+                          "\"dflash\"; set eval.batch_size = 1, or leave dflash out of train.drafter")
+    if "peagle" in fams and cfg.serve.engine == "sglang" and (cfg.eval.served or cfg.eval.server_url):
+        raise ConfigError("eval.served with serve.engine = \"sglang\": SGLang serves no P-EAGLE drafter, and "
+                          "train.drafter lists \"peagle\"; serve with vLLM, or leave peagle out")
+    if len(fams) > 1:
+        if cfg.eval.drafter is not None:
+            raise ConfigError(f"eval.drafter: names one drafter, and train.drafter lists {len(fams)} families "
+                              f"({', '.join(fams)}); remove eval.drafter (each family's own drafter is "
+                              "evaluated), or list one family")
+        if cfg.serve.drafter is not None and cfg.serve.drafter not in ("export", "export:vllm") and (
+                cfg.eval.served or cfg.eval.server_url):
+            raise ConfigError(f"serve.drafter = {cfg.serve.drafter!r}: the served eval of several families "
+                              "(train.drafter) serves each family's own vLLM export; set serve.drafter = \"export\" "
+                              "or remove it")
+        if cfg.eval.server_url is not None:
+            raise ConfigError("eval.server_url: a running server holds one drafter, and train.drafter lists "
+                              f"{len(fams)} families; set eval.served = true (each family's export is served "
+                              "in turn), or list one family")
 
 
 def config_from_dict(data: dict[str, Any], source_path: Path | None = None) -> Config:

@@ -5,6 +5,11 @@ shape its output, the upstream phases whose outputs it reads, and a digest of it
 (None when the output is missing). When `specops run` finishes a phase it records that in the
 phase's manifest entry as `made_from` = {settings, inputs (the upstream output digests), output}.
 
+train, export and eval run once per drafter family of train.drafter: the first family's keys are
+the bare phase names, another family's "train:<family>" and so on (`keys`), each with its
+`DrafterHome` (campaign.py); a family's three keys are a chain of their own after the shared
+phases, so one family's change never makes another stale.
+
 A done phase is then
 - stale when an earlier phase is stale or not done, its output is missing, a setting it lists
   differs from the recorded value, or an upstream output digest differs from the recorded one;
@@ -31,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .campaign import PHASES, Campaign, now_iso
+from .campaign import DRAFTER_PHASES, PHASES, Campaign, DrafterHome, drafter_home, now_iso, split_key
+from .config import FAMILY_TRAIN_KEYS, drafter_families
 
 _ABSENT = "<unset>"  # a key with no value (a dataset entry that is not there, a required field)
 _UNKNOWN = object()  # a recorded key this version's config does not have: cannot matter any more
@@ -148,10 +154,10 @@ def _join(parts: dict[str, str | None]) -> tuple[str | None, str]:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16], ""
 
 
-def _latest_checkpoint(root: Path) -> Path | None:
-    # drafter/checkpoints/step-<n>/ whose state.json says complete (what training resumes from)
+def _latest_checkpoint(home: Path) -> Path | None:
+    # <home>/checkpoints/step-<n>/ whose state.json says complete (what training resumes from)
     best: tuple[int, Path] | None = None
-    ck = root / "drafter" / "checkpoints"
+    ck = home / "checkpoints"
     for p in ck.glob("step-*") if ck.is_dir() else ():
         try:
             step = int(p.name[5:])
@@ -166,7 +172,7 @@ def _latest_checkpoint(root: Path) -> Path | None:
 # ---------------------------------------------------------------- one function per phase
 
 
-def _generate(c: dict[str, Any], root: Path) -> Made:
+def _generate(c: dict[str, Any], root: Path, home: None = None) -> Made:
     local = (c.get("engine") or {}).get("kind", "local") == "local"
     settings = pick(c, "target.model", "target.served_name", "target.tokenizer", "generate", "datasets",
                     drop=("generate.concurrency", "generate.ordering", "generate.fsync_interval_s",
@@ -179,14 +185,14 @@ def _generate(c: dict[str, Any], root: Path) -> Made:
     return Made(settings, (), out, missing)
 
 
-def _build(c: dict[str, Any], root: Path) -> Made:
+def _build(c: dict[str, Any], root: Path, home: None = None) -> Made:
     settings = pick(c, "build", "target.model", "target.tokenizer", "target.trust_remote_code")
     settings["build.seed"] = _seed(c, "build")
     out, missing = _join({"build/manifest.json": _sha(root / "build" / "manifest.json")})
     return Made(settings, ("generate",), out, missing)
 
 
-def _extract(c: dict[str, Any], root: Path) -> Made:
+def _extract(c: dict[str, Any], root: Path, home: None = None) -> Made:
     if (c.get("extract") or {}).get("mode") == "online":  # nothing written: training computes features
         return Made(pick(c, "extract.mode"), ("build",), "online")
     settings = pick(c, "extract", "target.model", "target.dtype", "target.trust_remote_code",
@@ -198,38 +204,76 @@ def _extract(c: dict[str, Any], root: Path) -> Made:
     return Made(settings, ("build",), out, missing)
 
 
-def _train(c: dict[str, Any], root: Path) -> Made:
+def _train(c: dict[str, Any], root: Path, home: DrafterHome) -> Made:
+    # One family's drafter: train.drafter is that family's name (the list's other names do not shape
+    # it), and the keys only other families read are left out, so they never retrain this one.
+    others = {k for ks in FAMILY_TRAIN_KEYS.values() for k in ks} - set(FAMILY_TRAIN_KEYS.get(home.family, ()))
     settings = pick(c, "train", "target.model", "target.dtype", "target.trust_remote_code",
                     drop=("train.log_every", "train.eval_every", "train.checkpoint_every", "train.keep_checkpoints",
-                          "train.prefetch", "train.device", "train.cuda_graphs", "train.graph_bucket"))
+                          "train.prefetch", "train.device", "train.cuda_graphs", "train.graph_bucket",
+                          *(f"train.{k}" for k in others)))
+    settings["train.drafter"] = home.family
     settings["train.seed"] = _seed(c, "train")
     if settings.get("train.mask_repetition"):
         settings.update(pick(c, "build.repetition_ngram"))
     if settings.get("train.mode") == "online":
         settings.update(pick(c, "extract.aux_layer_ids"))
-    ck = _latest_checkpoint(root)
+    ck = _latest_checkpoint(home.dir)
     out = None if ck is None else f"{ck.name}:{_sha(ck / 'state.json')}"
-    return Made(settings, ("build", "extract"), out, "" if ck else "a complete checkpoint under drafter/checkpoints")
+    rel = home.dir.relative_to(root)
+    return Made(settings, ("build", "extract"), out, "" if ck else f"a complete checkpoint under {rel}/checkpoints")
 
 
-def _export(c: dict[str, Any], root: Path) -> Made:
+def _export(c: dict[str, Any], root: Path, home: DrafterHome) -> Made:
     settings = pick(c, "train.ttt_steps", "target.model", "target.served_name")
-    out, missing = _join({f"drafter/export/{f}/manifest.json": _sha(root / "drafter" / "export" / f / "manifest.json")
+    rel = home.dir.relative_to(root)
+    out, missing = _join({f"{rel}/export/{f}/manifest.json": _sha(home.dir / "export" / f / "manifest.json")
                           for f in ("vllm", "speculators")})
-    return Made(settings, ("train",), out, missing)
+    return Made(settings, (home.key("train"),), out, missing)
 
 
-def _eval(c: dict[str, Any], root: Path) -> Made:
-    # eval reads the newer of the latest checkpoint and the exports (or eval.drafter)
+def _eval(c: dict[str, Any], root: Path, home: DrafterHome) -> Made:
+    # eval reads the newer of the family's latest checkpoint and its exports (or eval.drafter)
     settings = pick(c, "eval", "target", "generate.system_prompt")
-    out, missing = _join({"eval/summary.json": _sha(root / "eval" / "summary.json")})
-    return Made(settings, ("train", "export"), out, missing)
+    rel = home.eval_dir.relative_to(root)
+    out, missing = _join({f"{rel}/summary.json": _sha(home.eval_dir / "summary.json")})
+    return Made(settings, (home.key("train"), home.key("export")), out, missing)
 
 
-SPECS: dict[str, Callable[[dict[str, Any], Path], Made]] = {
+SPECS: dict[str, Callable[[dict[str, Any], Path, Any], Made]] = {
     "generate": _generate, "build": _build, "extract": _extract, "train": _train, "export": _export, "eval": _eval,
 }
 assert tuple(SPECS) == PHASES
+
+
+def home_of(c: dict[str, Any], root: Path, key: str) -> DrafterHome | None:
+    """The drafter home a phase key belongs to ("train", "eval:dflash"); None for a shared phase."""
+    phase, family = split_key(key)
+    if phase not in DRAFTER_PHASES:
+        return None
+    return drafter_home(root, drafter_families((c.get("train") or {}).get("drafter"))[0], family)
+
+
+def made(key: str, c: dict[str, Any], root: Path) -> Made:
+    """What the output of phase key `key` is made from, against the resolved config dict `c`."""
+    return SPECS[split_key(key)[0]](c, root, home_of(c, root, key))
+
+
+def keys(c: dict[str, Any]) -> list[str]:
+    """Every phase key of a campaign in order: the shared phases, then train, export, eval of each
+    family of train.drafter (the first family's keys are the bare phase names)."""
+    fams = drafter_families((c.get("train") or {}).get("drafter"))
+    out = [p for p in PHASES if p not in DRAFTER_PHASES]
+    for f in fams:
+        out += [p if f == fams[0] else f"{p}:{f}" for p in DRAFTER_PHASES]
+    return out
+
+
+def outputs(c: dict[str, Any], root: Path, key: str) -> list[str]:
+    """The paths (relative to the campaign root) a phase key's output occupies (reset.outputs_of)."""
+    from .reset import outputs_of
+
+    return outputs_of(home_of(c, root, key), root, split_key(key)[0])
 
 
 # ---------------------------------------------------------------- assess, record, replace
@@ -268,46 +312,60 @@ def _describe(keys: list[str], old: dict[str, Any], new: dict[str, Any]) -> list
 
 
 def assess(root: Path, manifest: dict[str, Any], config: dict[str, Any] | None = None) -> dict[str, Verdict]:
-    """A verdict for every done phase, against `config` (a resolved config dict; default: the
-    campaign's own). Phases not done have none: they run anyway."""
+    """A verdict for every done phase key (contract.keys), against `config` (a resolved config dict;
+    default: the campaign's own). Phases not done have none: they run anyway. The shared phases
+    are one chain; each drafter family's train, export, eval a chain of its own after them, so a
+    stale family never makes another one stale."""
     c = _jsonable(config if config is not None else manifest.get("config") or {})
     phases = manifest.get("phases") or {}
     out: dict[str, Verdict] = {}
-    blocked: str | None = None  # the first earlier phase that is stale or not done
-    for p in PHASES:
-        entry = phases.get(p) or {}
+
+    def judge(key: str, blocked: str | None) -> str | None:
+        """The verdict of `key` into out; returns the chain's first stale or not-done key."""
+        entry = phases.get(key) or {}
         if entry.get("state") != "done":
-            blocked = blocked or f"{p} is {entry.get('state') or 'pending'}"
-            continue
-        made = SPECS[p](c, root)
+            return blocked or f"{key} is {entry.get('state') or 'pending'}"
+        m = made(key, c, root)
         rec = entry.get("made_from")
         v = Verdict("current" if rec else "unrecorded")
         if rec:
-            v.changed = _changed(rec.get("settings") or {}, made.settings)
-            v.reasons += _describe(v.changed, rec.get("settings") or {}, made.settings)
-        if made.output is None:
-            v.reasons.append(f"output missing ({made.missing})")
+            v.changed = _changed(rec.get("settings") or {}, m.settings)
+            v.reasons += _describe(v.changed, rec.get("settings") or {}, m.settings)
+        if m.output is None:
+            v.reasons.append(f"output missing ({m.missing})")
         if rec:
-            for u in made.inputs if not blocked else ():  # a stale upstream already explains its output
-                was, now = (rec.get("inputs") or {}).get(u), SPECS[u](c, root).output
+            for u in m.inputs if not blocked else ():  # a stale upstream already explains its output
+                was, now = (rec.get("inputs") or {}).get(u), made(u, c, root).output
                 if was != now:
                     v.reasons.append(f"input {u} {'missing' if now is None else 'changed'} since it was made")
         if blocked:
             v.reasons.append(f"upstream {blocked}")
         if v.reasons:
             v.verdict = "stale"
-            blocked = blocked or f"{p} is stale"
-        out[p] = v
+            blocked = blocked or f"{key} is stale"
+        out[key] = v
+        return blocked
+
+    shared: str | None = None
+    chain = keys(c)
+    for key in [k for k in chain if split_key(k)[0] not in DRAFTER_PHASES]:
+        shared = judge(key, shared)
+    blocked = shared
+    for i, key in enumerate(k for k in chain if split_key(k)[0] in DRAFTER_PHASES):
+        if i % len(DRAFTER_PHASES) == 0:  # a family's train starts its own chain after the shared phases
+            blocked = shared
+        blocked = judge(key, blocked)
     return out
 
 
 def record(campaign: Campaign, phase: str) -> dict[str, Any]:
-    """Write what `phase`'s output (done, on disk now) was made from into its manifest entry."""
+    """Write what the output of phase key `phase` (done, on disk now) was made from into its
+    manifest entry."""
     m = campaign.read_manifest() or {}
     c = _jsonable(m.get("config") or {})
-    made = SPECS[phase](c, campaign.root)
-    rec = {"settings": made.settings, "inputs": {u: SPECS[u](c, campaign.root).output for u in made.inputs},
-           "output": made.output, "recorded_at": now_iso()}
+    mf = made(phase, c, campaign.root)
+    rec = {"settings": mf.settings, "inputs": {u: made(u, c, campaign.root).output for u in mf.inputs},
+           "output": mf.output, "recorded_at": now_iso()}
     m.setdefault("phases", {}).setdefault(phase, {})["made_from"] = rec
     campaign.write_manifest(m)
     return rec
@@ -322,16 +380,16 @@ def replace(campaign: Campaign, phase: str, reason: str, changed: list[str] | No
     datasets are journaled apart, so there only the datasets whose own keys changed are set aside
     (and every one when a shared key did); the rerun resumes the rest and redoes a missing one."""
     from .campaign import atomic_write_json
-    from .reset import OUTPUTS, archive_outputs
+    from .reset import archive_outputs
 
-    paths = list(OUTPUTS[phase])
+    m = campaign.read_manifest() or {}
+    paths = outputs(_jsonable(m.get("config") or {}), campaign.root, phase)
     if phase == "generate" and changed is not None and all(k.startswith("datasets.") for k in changed):
         paths = sorted({"generate/" + k[len("datasets."):].rsplit(".", 1)[0] for k in changed})
-    m = campaign.read_manifest() or {}
     old = (m.get("phases") or {}).get(phase) or {}
     if old.get("state") != "done" and not any((campaign.root / p).exists() for p in paths):
         return None
-    stamp, dest, moved = archive_outputs(campaign, phase, paths)
+    stamp, dest, moved = archive_outputs(campaign, phase.replace(":", "-"), paths)
     if moved:
         atomic_write_json(dest / "phase-entry.json", old)
     rel = str(dest.relative_to(campaign.root)) if moved else None

@@ -14,6 +14,8 @@
   run, RAM, model files); the server health tiers and the canary inside generate. `--skip-preflight`
   is recorded in the manifest.
 - One lock for the whole run; the phases run under it.
+- train, export and eval run once per family of train.drafter (the first at drafter/, the others at
+  drafters/<family>/), each family a resume chain of its own after the shared phases.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from typing import Any
 
 from . import contract
-from .campaign import Campaign, RunLock
+from .campaign import DRAFTER_PHASES, Campaign, RunLock
 from .config import Config
 from .errors import SpecopsError
 
@@ -73,9 +75,13 @@ class RunResults(dict):
 
 def run_all(cfg: Config, *, start: str | None = None, stop: str | None = None, skip_preflight: bool = False,
             progress: bool | None = None) -> RunResults:
+    """Every phase of `phases_between(start, stop)`; train, export and eval once per family of
+    train.drafter (result keys "train", "train:dflash", ...: contract.keys). A family's phases are
+    redone after a shared phase ran or after its own earlier phase ran, never after another family's."""
     campaign = Campaign.create_or_open(cfg)
     todo = phases_between(start, stop)
     results = RunResults()
+    homes = campaign.drafter_homes(cfg)
     with RunLock(campaign, "run"):
         from .generate import _attach_log
 
@@ -84,48 +90,59 @@ def run_all(cfg: Config, *, start: str | None = None, stop: str | None = None, s
             from .preflight import record_skip
 
             record_skip(campaign, "--skip-preflight given to specops run", phases=todo)
-        ran: str | None = None  # the latest phase that ran: everything after it is redone
+        shared_ran: str | None = None  # the latest shared phase that ran: everything after it is redone
+        family_ran: dict[str, str] = {}  # per family, its latest phase that ran: its later phases are redone
         for i, phase in enumerate(todo):
-            manifest = campaign.read_manifest() or {}
-            state = ((manifest.get("phases") or {}).get(phase) or {}).get("state")
-            changed = None
-            if ran is not None:
-                why: str | None = f"{ran} ran before it in this run"
-            elif phase == start:
-                why = f"--from {start}"
-            elif state == "done":
-                v = contract.assess(campaign.root, manifest)[phase]
-                why, changed = ("; ".join(v.reasons), v.changed) if v.verdict == "stale" else (None, None)
-                if why is None:
-                    if v.verdict == "unrecorded":
-                        contract.record(campaign, phase)
-                        log.info("run: %s already done (no record of its inputs: taken as current, recorded now), "
-                                 "skipped", phase)
-                    else:
-                        log.info("run: %s already done, inputs and settings unchanged, skipped", phase)
-                    results[phase] = "skipped (done)"
-                    continue
-            else:
-                why = None  # pending, failed or left running: resume
-            if not skip_preflight:
-                _gate(cfg, campaign, phase, todo[i:])
-            if why is not None:
-                rep = contract.replace(campaign, phase, why, changed)
-                if rep is not None:
-                    log.info("run: %s is redone (%s); its previous outputs: %s", phase, why,
-                             rep["archived_to"] or "none left to archive")
-            t0 = time.time()
-            log.info("run: %s ...", phase)
-            results[phase] = _run_phase(cfg, campaign, phase, progress=progress)
-            if ((campaign.read_manifest() or {}).get("phases", {}).get(phase) or {}).get("state") == "done":
-                contract.record(campaign, phase)
-            ran = phase
-            results.elapsed_s[phase] = time.time() - t0
-            log.info("run: %s done in %.0fs", phase, results.elapsed_s[phase])
+            gated = False
+            for home in homes if phase in DRAFTER_PHASES else [None]:
+                key = phase if home is None else home.key(phase)
+                ran = shared_ran if home is None else (family_ran.get(home.family) or shared_ran)
+                manifest = campaign.read_manifest() or {}
+                state = ((manifest.get("phases") or {}).get(key) or {}).get("state")
+                changed = None
+                if ran is not None:
+                    why: str | None = f"{ran} ran before it in this run"
+                elif phase == start:
+                    why = f"--from {start}"
+                elif state == "done":
+                    v = contract.assess(campaign.root, manifest)[key]
+                    why, changed = ("; ".join(v.reasons), v.changed) if v.verdict == "stale" else (None, None)
+                    if why is None:
+                        if v.verdict == "unrecorded":
+                            contract.record(campaign, key)
+                            log.info("run: %s already done (no record of its inputs: taken as current, recorded "
+                                     "now), skipped", key)
+                        else:
+                            log.info("run: %s already done, inputs and settings unchanged, skipped", key)
+                        results[key] = "skipped (done)"
+                        continue
+                else:
+                    why = None  # pending, failed or left running: resume
+                if not skip_preflight and not gated:  # one gate per phase, before its first unit runs
+                    _gate(cfg, campaign, phase, todo[i:])
+                    gated = True
+                if why is not None:
+                    rep = contract.replace(campaign, key, why, changed)
+                    if rep is not None:
+                        log.info("run: %s is redone (%s); its previous outputs: %s", key, why,
+                                 rep["archived_to"] or "none left to archive")
+                t0 = time.time()
+                log.info("run: %s ...", key)
+                results[key] = _run_phase(cfg, campaign, phase, progress=progress,
+                                          family=None if home is None else home.family)
+                if ((campaign.read_manifest() or {}).get("phases", {}).get(key) or {}).get("state") == "done":
+                    contract.record(campaign, key)
+                if home is None:
+                    shared_ran = key
+                else:
+                    family_ran[home.family] = key
+                results.elapsed_s[key] = time.time() - t0
+                log.info("run: %s done in %.0fs", key, results.elapsed_s[key])
     return results
 
 
-def _run_phase(cfg: Config, campaign: Campaign, phase: str, *, progress: bool | None) -> Any:
+def _run_phase(cfg: Config, campaign: Campaign, phase: str, *, progress: bool | None,
+               family: str | None = None) -> Any:
     if phase == "generate":
         from .generate import run_generate
 
@@ -146,23 +163,23 @@ def _run_phase(cfg: Config, campaign: Campaign, phase: str, *, progress: bool | 
     if phase == "train":
         from .drafter.train import run_train
 
-        out = run_train(cfg, campaign, lock=False)
+        out = run_train(cfg, campaign, lock=False, family=family)
         return {"step": out.get("step"), "val": (out.get("val") or {}).get("tau")}
     if phase == "export":
         from .drafter.export import run_export
 
-        return run_export(cfg, campaign)
+        return run_export(cfg, campaign, family=family)
     if phase == "eval":
         from .evaluate.report import write_report
         from .evaluate.specdec import run_eval
 
-        summary = run_eval(cfg, campaign, lock=False)
+        summary = run_eval(cfg, campaign, lock=False, family=family)
         out: dict[str, Any] = {"summary": summary.get("overall", summary)}
         if cfg.eval.served or cfg.eval.server_url:
             from .evaluate.report import brief
             from .serve import evaluate_served
 
-            out["served"] = brief(evaluate_served(cfg, campaign))
-        md, html = write_report(campaign)
+            out["served"] = brief(evaluate_served(cfg, campaign, family=family))
+        md, html = write_report(campaign)  # every family evaluated so far, side by side
         return {**out, "report": str(html)}
     raise AssertionError(phase)

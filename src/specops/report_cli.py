@@ -154,7 +154,7 @@ def _phase_what(root: Path, phase: str, entry: dict[str, Any]) -> str:
     if phase == "export":
         return export_what(entry)
     if phase == "eval":
-        summary = read_json(root / "eval" / "summary.json") or {}
+        summary = read_json(Path(entry["summary"]) if entry.get("summary") else root / "eval" / "summary.json") or {}
         out = eval_what(summary.get("overall") or {"tau": entry.get("tau")}, list(summary.get("datasets") or []))
         if summary.get("served"):
             out += "; served: " + served_what(summary["served"])
@@ -166,19 +166,23 @@ def run_summary(root: Path, phases: list[str], elapsed_s: dict[str, float], conf
     """The end of `specops run` (`config`: its campaign.toml argument): one line per phase of the
     run (how long it took, or "skipped" for one done before with unchanged inputs; what it made),
     the verdict and the report's path."""
-    from .campaign import Campaign
+    from .campaign import Campaign, split_key
+    from .contract import keys
+
     from .evaluate.report import campaign_verdict
 
     camp = Campaign(root)
-    entries = (camp.read_manifest() or {}).get("phases") or {}
-    width = max(len(p) for p in phases)
+    manifest = camp.read_manifest() or {}
+    entries = manifest.get("phases") or {}
+    run_keys = [k for k in keys(manifest.get("config") or {}) if split_key(k)[0] in phases]
+    width = max(len(k) for k in run_keys)
     lines = []
-    for phase in phases:
-        entry = entries.get(phase) or {}
+    for key in run_keys:  # train, export, eval once per drafter family ("train:dflash")
+        entry = entries.get(key) or {}
         done = entry.get("state") == "done"
-        when = duration(elapsed_s[phase]) if phase in elapsed_s else "skipped" if done else "-"
-        what = _phase_what(root, phase, entry) if done else f"not done ({entry.get('state') or 'pending'})"
-        lines.append(f"{phase:<{width}}  {when:>7}  {what}")
+        when = duration(elapsed_s[key]) if key in elapsed_s else "skipped" if done else "-"
+        what = _phase_what(root, split_key(key)[0], entry) if done else f"not done ({entry.get('state') or 'pending'})"
+        lines.append(f"{key:<{width}}  {when:>7}  {what}")
     if "eval" in phases:
         lines.append(campaign_verdict(camp)["line"])
         lines.append(report_line(root / "eval"))

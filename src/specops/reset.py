@@ -1,4 +1,5 @@
-"""`specops reset PHASE [--dataset NAME]`: set a phase's outputs aside (never delete) and mark it pending.
+"""`specops reset PHASE [--dataset NAME | --family NAME]`: set a phase's outputs aside (never delete)
+and mark it pending.
 
 Outputs move to `<campaign>/archive/<phase>[-<dataset>]-<UTC timestamp>/`, so data from a bad run
 (a wrong chat template, a server with the wrong reasoning parser) can be regenerated safely and
@@ -12,7 +13,8 @@ import datetime as _dt
 import os
 from pathlib import Path
 
-from .campaign import PHASES, Campaign, RunLock
+from .campaign import DRAFTER_PHASES, PHASES, Campaign, DrafterHome, RunLock, drafter_home
+from .config import check_family, drafter_families
 from .errors import SpecopsError
 
 # Where each phase writes (relative to the campaign root).
@@ -26,19 +28,41 @@ OUTPUTS = {
 }
 
 
-def reset(campaign: Campaign, phase: str, *, dataset: str | None = None) -> dict:
+def outputs_of(home: DrafterHome | None, root: Path, phase: str) -> list[str]:
+    """The paths (relative to the campaign root) `phase` writes: OUTPUTS for a shared phase and the
+    first drafter family, the same files under drafters/<family>/ for another family's `home`."""
+    if home is None or home.first:
+        return list(OUTPUTS[phase])
+    rel = str(home.dir.relative_to(root))
+    return [rel + "/eval" if p == "eval" else rel + p[len("drafter"):] for p in OUTPUTS[phase]]
+
+
+def reset(campaign: Campaign, phase: str, *, dataset: str | None = None, family: str | None = None) -> dict:
+    """`family`: train, export or eval of that drafter family only (its home's files; its later
+    phases pending); default the shared phase, or the first family's."""
     if phase not in PHASES:
         raise SpecopsError(f"reset: unknown phase {phase!r} (one of {', '.join(PHASES)})")
     if dataset and phase != "generate":
         raise SpecopsError("reset: --dataset applies to the generate phase only")
-    if campaign.read_manifest() is None:
+    if family and phase not in DRAFTER_PHASES:
+        raise SpecopsError(f"reset: --family applies to {', '.join(DRAFTER_PHASES)} only")
+    m = campaign.read_manifest()
+    if m is None:
         raise SpecopsError(f"reset: no campaign at {campaign.root}")
+    home = None
+    if family:
+        check_family(family, "--family")
+        home = drafter_home(campaign.root, drafter_families(((m.get("config") or {}).get("train") or {})
+                                                           .get("drafter"))[0], family)
     with RunLock(campaign, f"reset {phase}"):
         if dataset and not (campaign.root / "generate" / dataset).exists():
             raise SpecopsError(f"reset: no generate output for dataset {dataset!r}")
-        stamp, dest, moved = archive_outputs(campaign, f"{phase}{'-' + dataset if dataset else ''}",
-                                             [f"generate/{dataset}"] if dataset else OUTPUTS[phase])
+        label = home.key(phase).replace(":", "-") if home else f"{phase}{'-' + dataset if dataset else ''}"
+        stamp, dest, moved = archive_outputs(campaign, label, [f"generate/{dataset}"] if dataset
+                                             else outputs_of(home, campaign.root, phase))
         downstream = list(PHASES[PHASES.index(phase):])
+        if home is not None:
+            downstream = [home.key(p) for p in DRAFTER_PHASES[DRAFTER_PHASES.index(phase):]]
         m = campaign.read_manifest() or {}
         for p in downstream:
             entry = m.setdefault("phases", {}).setdefault(p, {})

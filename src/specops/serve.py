@@ -440,9 +440,10 @@ def stop_recorded(campaign: Campaign, port: int, timeout: float = 30.0) -> str:
 
 
 def evaluate_served(cfg: Config, campaign: Campaign, *, url: str | None = None, baseline_url: str | None = None,
-                    concurrency: int | None = None, interop: bool | None = None) -> dict:
-    """The served evaluation (evaluate/served.py) -> eval/served.json, its figures added to
-    eval/summary.json (and its verdict) when the loop eval wrote one.
+                    concurrency: int | None = None, interop: bool | None = None, family: str | None = None) -> dict:
+    """The served evaluation (evaluate/served.py) of `family` (default: the first of train.drafter)
+    -> <its eval dir>/served.json, its figures added to that dir's summary.json (and its verdict)
+    when the loop eval wrote one. A further family serves <its home>/export/vllm.
 
     Against `url` (else eval.server_url) and `baseline_url` (else eval.baseline_server_url) when
     given; otherwise [serve] is started with the drafter ([serve] drafter, default the campaign's
@@ -463,13 +464,17 @@ def evaluate_served(cfg: Config, campaign: Campaign, *, url: str | None = None, 
     url = url or ec.server_url
     baseline_url = baseline_url or ec.baseline_server_url
     name = served_name(cfg.target.model, cfg.target.served_name)
+    home = campaign.drafter_home(cfg, family)
     k = None
     label = url
     if url is None:
         from .auth import check_exposure
 
         check_exposure(cfg)  # an exposed host without a key: refused before the drafter is looked for
-        if cfg.serve.drafter is None:
+        if not home.first:  # a further family serves its own vLLM export (config checks refuse another drafter)
+            own = str(home.dir / "export" / "vllm")
+            cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, drafter=own))
+        elif cfg.serve.drafter is None:
             cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, drafter="export"))
         model_dir = resolve_model_dir(cfg.target.model)
         drafter = resolve_drafter(cfg, model_dir)  # refused here, before any server starts
@@ -492,20 +497,21 @@ def evaluate_served(cfg: Config, campaign: Campaign, *, url: str | None = None, 
         key = client_key(cfg)
         spec_server = lambda: contextlib.nullcontext(Endpoint(url, name, key))  # noqa: E731
         base_server = (lambda: contextlib.nullcontext(Endpoint(baseline_url, name, key))) if baseline_url else None
-    reference = Path(ec.drafter) if ec.drafter else latest_checkpoint(campaign.root / "drafter")
+    reference = Path(ec.drafter) if ec.drafter else latest_checkpoint(home.dir)
     if reference is None and url is None:
         reference = Path(label)
-    _note_served(campaign, {"state": "running", "pid": os.getpid(), "server": url, "drafter": label})
+    note = lambda entry: _note_served(campaign, entry, home.key("eval"))  # noqa: E731
+    note({"state": "running", "pid": os.getpid(), "server": url, "drafter": label})
     try:
-        result = run_served_eval(cfg, campaign.root / "eval", spec_server=spec_server, base_server=base_server,
+        result = run_served_eval(cfg, home.eval_dir, spec_server=spec_server, base_server=base_server,
                                  k=k, concurrency=concurrency or ec.served_concurrency,
                                  interop=ec.interop if interop is None else interop,
                                  tolerance=ec.interop_tolerance, reference_drafter=reference, drafter_label=label)
     except BaseException as e:
-        _note_served(campaign, {"state": "failed", "error": f"{type(e).__name__}: {e}"})
+        note({"state": "failed", "error": f"{type(e).__name__}: {e}"})
         raise
     b = brief(result)
-    summary_path = campaign.root / "eval" / "summary.json"
+    summary_path = home.eval_dir / "summary.json"
     summary = read_json(summary_path)
     if summary is not None:
         summary["served"] = b
@@ -513,14 +519,13 @@ def evaluate_served(cfg: Config, campaign: Campaign, *, url: str | None = None, 
                                      min_tau=ec.min_tau, served=b)
         atomic_write_json(summary_path, summary)
     sp1 = ((b.get("speedup") or {}).get("t0_c1") or {}).get("speedup")
-    _note_served(campaign, {"state": "done", "finished": now_iso(), "tau": b["tau_t0"], "tau_t1": b["tau_t1"],
-                            "speedup_c1": sp1, "interop": (b["interop"] or {}).get("ok"),
-                            "file": str(campaign.root / "eval" / "served.json")})
+    note({"state": "done", "finished": now_iso(), "tau": b["tau_t0"], "tau_t1": b["tau_t1"],
+          "speedup_c1": sp1, "interop": (b["interop"] or {}).get("ok"), "file": str(home.eval_dir / "served.json")})
     return result
 
 
-def _note_served(campaign: Campaign, entry: dict) -> None:
-    """The served evaluation's state under the eval phase's manifest entry ("served")."""
+def _note_served(campaign: Campaign, entry: dict, key: str = "eval") -> None:
+    """The served evaluation's state under its eval phase's manifest entry ("served")."""
     m = campaign.read_manifest() or {"phases": {}}
-    m.setdefault("phases", {}).setdefault("eval", {})["served"] = entry
+    m.setdefault("phases", {}).setdefault(key, {})["served"] = entry
     campaign.write_manifest(m)

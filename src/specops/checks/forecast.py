@@ -155,6 +155,7 @@ def forecast_inputs(cfg: Config, model_config: Mapping[str, Any] | None = None) 
         "feature_dtype": "fp8" if getattr(extract, "dtype", "bfloat16") == "float8_e4m3fn" else "bf16",
         "features_offline": getattr(extract, "mode", "offline") == "offline",
         "draft_vocab": min(draft_vocab, int(tc.get("vocab_size") or draft_vocab)),
+        "drafters": len(cfg.train.families) if getattr(cfg, "train", None) is not None else 1,
     }
 
 
@@ -193,5 +194,7 @@ def forecast_from_inputs(inp: Mapping[str, Any], phases: list[str] | tuple[str, 
         feats = feature_bytes(tokens, int(hidden), n_aux=inp["n_aux"], dtype=inp["feature_dtype"])
         out["extract"] = feats if inp["features_offline"] else 0  # online: training computes them
     if "train" in phases and hidden:
-        out["train"] = checkpoint_bytes(drafter_params(int(hidden), inp["intermediate_size"], inp["draft_vocab"]))
+        # one EAGLE-3-sized drafter per family of train.drafter (a one-layer DFlash is the same size)
+        one = checkpoint_bytes(drafter_params(int(hidden), inp["intermediate_size"], inp["draft_vocab"]))
+        out["train"] = one * int(inp.get("drafters") or 1)
     return out

@@ -34,37 +34,45 @@ def check_export(directory: str | Path, *, target_config: Mapping[str, Any] | st
 
 
 def run_export(cfg, campaign, *, checkpoint: str | Path | None = None, formats: tuple[str, ...] | None = None,
-               speculative_tokens: int | None = None) -> dict[str, Any]:
-    """The `export` phase: the latest training checkpoint (or `checkpoint`) -> drafter/export/<format>/,
-    for each of `formats` (default: every format of the drafter's family).
+               speculative_tokens: int | None = None, family: str | None = None) -> dict[str, Any]:
+    """The `export` phase of `family` (default: the first of train.drafter): its latest training
+    checkpoint (or `checkpoint`) -> <its home>/export/<format>/ (drafter/export/ for the first
+    family), for each of `formats` (default: every format of the drafter's family).
 
     Every export is validated before it lands (the family's check), so an incomplete checkpoint is
     refused rather than served.
     """
+    from ..config import check_family
     from ..models import resolve_model_dir
     from .checkpoint import latest_checkpoint, load_drafter
 
-    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(campaign.root / "drafter")
+    home = campaign.drafter_home(cfg, check_family(family, "--family") if family else None)
+    phase = home.key("export")
+    ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(home.dir)
     if ckpt is None or not (ckpt / "model.safetensors").is_file():
-        raise ExportError(f"no training checkpoint under {campaign.root / 'drafter'}; run `specops train` first")
+        flag = "" if home.first else f" --drafter {home.family}"
+        raise ExportError(f"no training checkpoint under {home.dir}; run `specops train{flag}` first")
     drafter = load_drafter(ckpt)
     family = family_of(drafter)
+    if family.name != home.family:
+        raise ExportError(f"{ckpt} holds a {family.name} drafter, not {home.family}: export it with "
+                          f"--family {family.name}")
     model_dir = resolve_model_dir(cfg.target.model)
     target_config = json.loads((model_dir / "config.json").read_text())
     k = speculative_tokens or cfg.train.ttt_steps
     out: dict[str, Any] = {"checkpoint": str(ckpt), "exports": {}}
-    campaign.set_phase("export", "running")
+    campaign.set_phase(phase, "running", family=home.family)
     try:
         for fmt in formats or family.formats_of(drafter):
             if fmt not in family.export_formats:
                 raise ExportError(f"unknown export format {fmt!r} ({', '.join(family.export_formats)})")
             # The directory a server can load the target from (the speculators verifier), never a
             # served name: `vllm serve <speculators export>` reads it.
-            path = family.export(fmt, drafter, campaign.root / "drafter" / "export" / fmt, target_config=target_config,
+            path = family.export(fmt, drafter, home.dir / "export" / fmt, target_config=target_config,
                                  target_name_or_path=str(model_dir), speculative_tokens=k)
             out["exports"][fmt] = str(path)
     except BaseException as e:
-        campaign.set_phase("export", "failed", error=f"{type(e).__name__}: {e}")
+        campaign.set_phase(phase, "failed", error=f"{type(e).__name__}: {e}")
         raise
-    campaign.set_phase("export", "done", **out)
+    campaign.set_phase(phase, "done", **out)
     return out

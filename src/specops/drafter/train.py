@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..campaign import Campaign, RunLock, atomic_write_json, now_iso, read_json
+from ..campaign import Campaign, DrafterHome, RunLock, atomic_write_json, now_iso, read_json
 from ..errors import ConfigError, InputError, Interrupted
 from ..features import FeatureReader
 from ..progress import ROUTINE, phase_progress
@@ -450,17 +450,20 @@ class _Prefetcher:
 
 
 class _Trainer:
-    def __init__(self, cfg, campaign: Campaign, features_fn: FeaturesFn | None, dist: Dist):
+    def __init__(self, cfg, campaign: Campaign, features_fn: FeaturesFn | None, dist: Dist, home: DrafterHome):
         from safetensors.torch import load_file
 
         from ..models import resolve_model_dir
 
-        self.cfg, self.tc, self.campaign, self.features_fn, self.dist = cfg, cfg.train, campaign, features_fn, dist
+        # the train section as this family reads it (drafter = its name; other families' keys unset)
+        tc = cfg.train.for_family(home.family)
+        self.cfg, self.tc, self.campaign, self.features_fn, self.dist = cfg, tc, campaign, features_fn, dist
         tc = self.tc
         set_kernel_options(ttt_attention=tc.ttt_attention, fused_loss=tc.fused_loss, compile_loss=tc.compile_loss,
                            compile_layer=tc.compile_layer, sdpa_cudnn=tc.sdpa_cudnn)
         self.seed = tc.seed if tc.seed is not None else cfg.campaign.seed
-        self.dir = campaign.phase_dir("train")
+        self.home = home
+        self.dir = home.dir
         self.metrics_path = self.dir / "metrics.jsonl"
         self.device = dist.device
         self.cuda = self.device.type == "cuda"
@@ -518,7 +521,7 @@ class _Trainer:
             raise InputError("the train split has no usable sample (each needs >= 3 tokens and a trainable token)")
 
         # target head -> drafter + teacher
-        self.family = family = family_named(tc.drafter)
+        self.family = family = family_named(home.family)
         head = load_target_head(self.model_dir)
         if aux_ids is None:
             aux_ids = family.feature_layer_ids(int(head.config["num_hidden_layers"]))
@@ -661,7 +664,8 @@ class _Trainer:
         now = time.time()
         left = max(0, self.total_steps - step)
         atomic_write_json(self.campaign.heartbeat_path, {
-            "pid": os.getpid(), "phase": "train", "state": state, "ts": now, "iso": now_iso(),
+            "pid": os.getpid(), "phase": "train", "family": self.home.family, "state": state, "ts": now,
+            "iso": now_iso(),
             "started": self.started, "step": step, "total_steps": self.total_steps,
             "window": {"tokens_per_s": tokens_per_s, "steps_per_s": steps_per_s},
             "eta_s": round(left / steps_per_s, 1) if steps_per_s else (0.0 if not left else None),
@@ -933,33 +937,39 @@ class _Trainer:
 
 
 def run_train(cfg, campaign: Campaign, *, features_fn: FeaturesFn | None = None, max_steps: int | None = None,
-              lock: bool = True) -> dict[str, Any]:
-    """Train (or resume) the drafter of `campaign`. Returns the summary (step, val tau, checkpoint).
+              lock: bool = True, family: str | None = None) -> dict[str, Any]:
+    """Train (or resume) the drafter of `campaign`: `family` (default: the first of train.drafter) in
+    its own home (Campaign.drafter_home), beside any other family's, which it never reads or
+    touches. Returns the summary (step, val tau, checkpoint).
 
     Under torchrun (WORLD_SIZE > 1) every rank calls this; rank 0 takes the campaign lock, writes
     checkpoints, metrics and the manifest. `max_steps` stops early without changing the schedule
     (a later run continues the same curve). `lock=False` when the caller already holds the lock.
     """
+    from ..config import check_family
+
+    home = campaign.drafter_home(cfg, check_family(family, "--drafter") if family else None)
+    phase = home.key("train")
     dist = _setup_dist(cfg.train.device)
     rank0 = dist.rank == 0
     lockctx = RunLock(campaign, "train") if (rank0 and lock) else contextlib.nullcontext()
     try:
         with lockctx:
             if rank0:
-                campaign.set_phase("train", "running", pid=os.getpid(), world_size=dist.world)
+                campaign.set_phase(phase, "running", pid=os.getpid(), world_size=dist.world, family=home.family)
             try:
-                summary = _Trainer(cfg, campaign, features_fn, dist).run(max_steps)
+                summary = _Trainer(cfg, campaign, features_fn, dist, home).run(max_steps)
             except Interrupted as e:
                 if rank0:
-                    campaign.set_phase("train", "pending", interrupted_reason=str(e))
+                    campaign.set_phase(phase, "pending", interrupted_reason=str(e))
                 raise
             except BaseException as e:
                 if rank0:
-                    campaign.set_phase("train", "failed", error=f"{type(e).__name__}: {e}")
+                    campaign.set_phase(phase, "failed", error=f"{type(e).__name__}: {e}")
                 raise
             if rank0:
                 val = summary.get("val") or {}
-                campaign.set_phase("train", "done" if summary["finished"] else "pending", step=summary["step"],
+                campaign.set_phase(phase, "done" if summary["finished"] else "pending", step=summary["step"],
                                    total_steps=summary["total_steps"], tau=val.get("tau"),
                                    checkpoint=summary["checkpoint"])
             return summary

@@ -1,6 +1,8 @@
 """The campaign report: eval/report.md and a self-contained eval/report.html (inline SVG, no assets).
 
-Reads only files the stages wrote: eval/summary.json (+ eval/<dataset>.json counts), drafter/metrics.jsonl
+Reads only files the stages wrote: eval/summary.json (+ eval/<dataset>.json counts), and with
+several drafter families each one's drafters/<family>/eval/summary.json and served.json (the
+side-by-side table and the verdict naming the family that pays most), drafter/metrics.jsonl
 (rows {step, split "train"|"val", loss, acc [K], tau (val)}), generate/<dataset>/records.jsonl
 (streamed: finished_unix and usage.completion_tokens, bucketed per minute), and campaign.toml's
 [eval] go/no-go lines. Plots are SVG written by hand (matplotlib is not a dependency): the same
@@ -21,7 +23,8 @@ from typing import Any, Iterable
 from ..campaign import Campaign, atomic_write_bytes, now_iso, read_json
 from ..measures import simulated_tau
 
-__all__ = ["write_report", "verdict", "campaign_verdict", "line_chart", "bar_chart"]
+__all__ = ["write_report", "verdict", "campaign_verdict", "compare_families", "families_verdict", "line_chart",
+           "bar_chart"]
 
 _SVG_NS = "http://www.w3.org/2000/svg"
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf")
@@ -125,6 +128,149 @@ def brief(result: dict[str, Any]) -> dict[str, Any]:
                          "tau_served": it.get("tau_served"), "tolerance": it.get("tolerance"),
                          "t1": ({key: it["t1"].get(key) for key in ("ok", "tau_served", "tau_loop", "tolerance")}
                                 if it.get("t1") else None)} if it else None)}
+
+
+# ---------------------------------------------------------------- drafter families side by side
+
+NOT_SERVED = "—"  # a served column of a family whose served eval did not run
+
+
+def family_figures(family: str, summary: dict[str, Any] | None, served: dict[str, Any] | None, *,
+                   baseline_tokens_per_s: float | None, min_tau: float | None) -> dict[str, Any]:
+    """One family's row of the side-by-side table, from its eval summary.json and served.json (either
+    may be None): tau at T=0 and T=1 (the loop's where it ran at that temperature, else the served
+    eval's), acceptance per position, c (drafter time per round / target time per step, measured by
+    the loop), the loop's measured speedup, the served speedup at concurrency 1 and N, and the
+    family's own verdict against the campaign's lines."""
+    o = (summary or {}).get("overall") or {}
+    b = brief(served) if served is not None else None
+    T = (summary or {}).get("temperature")
+    taus: dict[str, tuple[float | None, str | None]] = {}
+    for t, key in ((0.0, "tau_t0"), (1.0, "tau_t1")):
+        if summary is not None and T == t and o.get("tau") is not None:
+            taus[key] = (o["tau"], "loop")
+        elif b is not None and b.get(key) is not None:
+            taus[key] = (b[key], "served")
+        else:
+            taus[key] = (None, None)
+    sp = (b or {}).get("speedup") or {}
+    c1, cn = sp.get("t0_c1") or {}, sp.get("t0_cN") or {}
+    acc = o.get("acceptance_per_position") or ((b or {}).get("per_position_t0") if b else None) or []
+    c = o.get("cost_ratio_c")
+    k = (summary or {}).get("k") or (b or {}).get("k")
+    return {
+        "family": family,
+        "k": k,
+        "tau_t0": taus["tau_t0"][0], "tau_t0_from": taus["tau_t0"][1],
+        "tau_t1": taus["tau_t1"][0], "tau_t1_from": taus["tau_t1"][1],
+        "acceptance_per_position": acc,
+        "cost_ratio_c": c,
+        # the round's drafting over one target step (k drafts, or one block): k·c for a chain of k
+        "round_cost": c * k if c is not None and k else None,
+        "loop_speedup": o.get("measured_speedup"),
+        "loop_speedup_unavailable": o.get("speedup_unavailable"),
+        "served": b is not None,
+        "served_speedup_c1": c1.get("speedup"),
+        "served_speedup_cN": cn.get("speedup"),
+        "served_concurrency": cn.get("concurrency"),
+        "verdict": verdict(o, baseline_tokens_per_s=baseline_tokens_per_s, min_tau=min_tau, served=b),
+    }
+
+
+def _pays(rows: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(key, label) of the figure that ranks the families: the served speedup at concurrency 1 when
+    every family has it, else the loop's measured speedup, else tau at T=0; None if no figure is
+    common to them all."""
+    for key, label in (("served_speedup_c1", "served speedup at concurrency 1"),
+                       ("loop_speedup", "measured speedup in specops' loop"), ("tau_t0", "tau at T=0")):
+        if all(r.get(key) is not None for r in rows):
+            return key, label
+    return None
+
+
+def _why(line: str) -> str:
+    """A family's verdict line without its GO / NO-GO head (the campaign line states that)."""
+    for head in ("GO: ", "NO-GO: ", "NOT JUDGED: "):
+        if line.startswith(head):
+            return line[len(head):]
+    return line
+
+
+def families_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The campaign's verdict over several families: the GO family that pays most (by `_pays`'s
+    figure), or none. {go, line, best, ranked_by, families: {family: go}}."""
+    go = [r for r in rows if r["verdict"]["go"]]
+    judged = [r for r in rows if r["verdict"]["go"] is not None]
+    per = {r["family"]: r["verdict"]["go"] for r in rows}
+    rank = _pays(go) if go else None
+    if go:
+        key, label = rank if rank else ("tau_t0", "tau at T=0")
+        best = max(go, key=lambda r: (r.get(key) is not None, r.get(key) or 0.0))
+        figs = []
+        if best.get("served_speedup_c1") is not None:
+            figs.append(f"served {best['served_speedup_c1']:.2f}x at c=1")
+        if best.get("served_speedup_cN") is not None:
+            figs.append(f"{best['served_speedup_cN']:.2f}x at c={best.get('served_concurrency')}")
+        if best.get("loop_speedup") is not None:
+            figs.append(f"loop {best['loop_speedup']:.2f}x")
+        figs.append(f"tau {_f(best.get('tau_t0'), '.2f')}")
+        others = [r["family"] for r in go if r is not best]
+        line = (f"GO: {best['family']} pays most ({', '.join(figs)}; ranked by {label})"
+                + (f"; also GO: {', '.join(others)}" if others else "")
+                + "".join(f"; {r['family']} does not ({_why(r['verdict']['line'])})" for r in rows
+                          if not r["verdict"]["go"]))
+        return {"go": True, "line": line, "best": best["family"], "ranked_by": key, "families": per}
+    if not judged:
+        line = "NOT JUDGED: no family judged: " + "; ".join(f"{r['family']}: {_why(r['verdict']['line'])}"
+                                                             for r in rows)
+        return {"go": None, "line": line, "best": None, "ranked_by": None, "families": per}
+    line = "NO-GO: none pays: " + "; ".join(f"{r['family']}: {_why(r['verdict']['line'])}" for r in rows)
+    return {"go": False, "line": line, "best": None, "ranked_by": None, "families": per}
+
+
+def compare_families(camp: Campaign) -> dict[str, Any] | None:
+    """Every evaluated family of the campaign side by side ({rows, verdict}); None below two."""
+    homes = camp.evaluated_homes()
+    if len(homes) < 2:
+        return None
+    rows = []
+    for h in homes:
+        summary, served = read_json(h.eval_dir / "summary.json"), read_json(h.eval_dir / "served.json")
+        line_tps, min_tau = _eval_lines(camp, summary)
+        rows.append(family_figures(h.family, summary, served, baseline_tokens_per_s=line_tps, min_tau=min_tau))
+    return {"rows": rows, "verdict": families_verdict(rows)}
+
+
+def _families_section(cmp: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The side-by-side table, its notes and the verdict: markdown and HTML lines."""
+    rows = cmp["rows"]
+    n = next((r["served_concurrency"] for r in rows if r.get("served_concurrency")), None)
+    header = ["family", "tau T=0", "tau T=1", "acceptance per position", "c (round/step)", "loop x", "served x c=1",
+              f"served x c={n or 'N'}", "verdict"]
+    body = []
+    for r in rows:
+        tau0 = _f(r["tau_t0"], ".3f") + (" (served)" if r["tau_t0_from"] == "served" else "")
+        tau1 = _f(r["tau_t1"], ".3f") + (" (served)" if r["tau_t1_from"] == "served" else "")
+        acc = " ".join(_f(a, ".2f") for a in r["acceptance_per_position"]) or "n/a"  # n/a: a position never reached
+        served = lambda v: _f(v, ".2f") if r["served"] else NOT_SERVED  # noqa: E731
+        v = r["verdict"]
+        body.append([r["family"], tau0, tau1, acc, _f(r["round_cost"], ".3f"), _f(r["loop_speedup"], ".2f"),
+                     served(r["served_speedup_c1"]), served(r["served_speedup_cN"]),
+                     "GO" if v["go"] else "NO-GO" if v["go"] is False else "not judged"])
+    t_md, t_html = _table(header, body)
+    notes = ["tau: mean accepted tokens per target step, from specops' loop where it ran at that temperature, "
+             "else from the served eval (marked); n/a: measured by neither. c: the drafter's time per drafting "
+             "round (k drafts) over the target's time per verification step, measured by the loop (k times the "
+             "per-draft cost_ratio_c of summary.json). loop x: speculative over target-only tokens/s in the loop."]
+    missing = [r["family"] for r in rows if not r["served"]]
+    if missing:
+        notes.append(f"Served eval did not run for {', '.join(missing)} (eval.served = false, or not yet): "
+                     f"their served columns show {NOT_SERVED}.")
+    notes.append(f"Verdict: {cmp['verdict']['line']}")
+    title = "Drafter families side by side"
+    md = [f"## {title}", "", t_md, "", *[x for line in notes for x in (line, "")]]
+    hb = [f"<h2>{html.escape(title)}</h2>", t_html, *[f"<p>{html.escape(line)}</p>" for line in notes]]
+    return md, hb
 
 
 # ---------------------------------------------------------------- SVG charts
@@ -399,9 +545,12 @@ def _judge(camp: Campaign) -> tuple[dict[str, Any] | None, dict[str, Any] | None
 
 
 def campaign_verdict(campaign: Campaign | str | Path) -> dict[str, Any]:
-    """The verdict the report states ({go, line, checks}): the eval files judged against the
-    campaign's go/no-go lines, as write_report judges them."""
-    return _judge(campaign if isinstance(campaign, Campaign) else Campaign(campaign))[2]
+    """The verdict the report states ({go, line, ...}): the eval files judged against the campaign's
+    go/no-go lines, as write_report judges them; with several evaluated families, the family that
+    pays most, or none (families_verdict)."""
+    camp = campaign if isinstance(campaign, Campaign) else Campaign(campaign)
+    cmp = compare_families(camp)
+    return cmp["verdict"] if cmp is not None else _judge(camp)[2]
 
 
 # ---------------------------------------------------------------- the report
@@ -462,6 +611,9 @@ def write_report(campaign: Campaign | str | Path) -> tuple[Path, Path]:
     plots_dir.mkdir(parents=True, exist_ok=True)
     summary, served, v = _judge(camp)
     line_tps, min_tau = _eval_lines(camp, summary)  # the lines drawn on the plots
+    cmp = compare_families(camp)
+    if cmp is not None:
+        v = cmp["verdict"]
 
     md: list[str] = [f"# specops report: {camp.root.name}", "", f"Generated {now_iso()}.", "", f"**{v['line']}**", ""]
     hb: list[str] = [f"<h1>specops report: {html.escape(camp.root.name)}</h1>",
@@ -476,9 +628,20 @@ def write_report(campaign: Campaign | str | Path) -> tuple[Path, Path]:
         hb.append(f"<figure>{fn(title, *args, standalone=False, **kw)}</figure>")
         plots.append((name, title, svg))
 
+    # ---- families
+    if cmp is not None:
+        fam_md, fam_html = _families_section(cmp)
+        md += fam_md
+        hb += fam_html
+        add_plot("acceptance_families", "Acceptance per draft position, per drafter family", line_chart,
+                 {r["family"]: [(i + 1, a) for i, a in enumerate(r["acceptance_per_position"])] for r in cmp["rows"]},
+                 xlabel="draft position", ylabel="P(accept | previous accepted)", ymin=0.0, ymax=1.0, markers=True,
+                 xrange=(1, max([r["k"] or 2 for r in cmp["rows"]] + [2])), integer_x=True)
+
     # ---- eval
-    md.append("## Speculative decoding (measured)")
-    hb.append("<h2>Speculative decoding (measured)</h2>")
+    first = f" ({summary.get('drafter_family')})" if cmp is not None and summary else ""
+    md.append(f"## Speculative decoding (measured){first}")
+    hb.append(f"<h2>Speculative decoding (measured){html.escape(first)}</h2>")
     if summary is not None:
         k = summary["k"]
         meta = (f"target `{summary.get('target')}`, drafter `{summary.get('drafter')}`, k = {k}, "

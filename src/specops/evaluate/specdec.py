@@ -52,8 +52,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ..campaign import Campaign, RunLock, atomic_write_json, now_iso
-from ..config import Config, DatasetSection, parse_eval_dataset
+from ..campaign import Campaign, DrafterHome, RunLock, atomic_write_json, now_iso
+from ..config import Config, DatasetSection, check_family, parse_eval_dataset
 from ..drafter.families import family_of
 from ..errors import ConfigError, EvalWorkerFailed, InputError, Interrupted, SpecopsError
 from ..progress import ROUTINE, current, phase_progress
@@ -183,15 +183,16 @@ def load_eval_drafter(path: str | os.PathLike[str], target: Any, device: torch.d
     return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def _latest_drafter(campaign: Campaign) -> Path:
-    """The newest of the latest training checkpoint and the exports, by weight-file mtime."""
+def _latest_drafter(campaign: Campaign, home: DrafterHome) -> Path:
+    """The newest of the family's latest training checkpoint and its exports, by weight-file mtime."""
     from ..drafter.checkpoint import latest_checkpoint
 
-    root = campaign.root / "drafter"
+    root = home.dir
     cands = [p for p in (latest_checkpoint(root), root / "export" / "vllm", root / "export" / "speculators")
              if p is not None and (p / "model.safetensors").is_file()]
     if not cands:
-        raise InputError(f"no drafter under {root} (no checkpoint, no export): run `specops train` first, "
+        flag = "" if home.first else f" --drafter {home.family}"
+        raise InputError(f"no drafter under {root} (no checkpoint, no export): run `specops train{flag}` first, "
                          "or set eval.drafter")
     return max(cands, key=lambda p: (p / "model.safetensors").stat().st_mtime)
 
@@ -330,10 +331,12 @@ def prompt_seed(seed: int, index: int, turn: int, stream: str) -> int:
 
 
 def run_eval(cfg: Config, campaign: Campaign, *, drafter_dir: str | os.PathLike[str] | None = None,
-             lock: bool = True, target: Any = None) -> dict[str, Any]:
-    """The eval phase: measured tau and speedup per dataset -> eval/<dataset>.json, eval/summary.json.
+             lock: bool = True, target: Any = None, family: str | None = None) -> dict[str, Any]:
+    """The eval phase of `family` (default: the first of train.drafter): measured tau and speedup per
+    dataset -> <its eval dir>/<dataset>.json and summary.json (eval/ for the first family,
+    drafters/<family>/eval/ for another).
 
-    `drafter_dir` (else eval.drafter, else the campaign's latest checkpoint or export). `target`
+    `drafter_dir` (else eval.drafter, else the family's latest checkpoint or export). `target`
     reuses a loaded target.inprocess.TargetModel (workers = 1 only: each worker loads its own). With
     eval.workers = N > 1, N worker processes share the conversations (module docstring). Returns
     the summary; nothing is written to eval/ unless every conversation was evaluated.
@@ -349,29 +352,33 @@ def run_eval(cfg: Config, campaign: Campaign, *, drafter_dir: str | os.PathLike[
     seen = prompts_seen_in_training(cfg, sources)
     for name, ids in seen.items():
         log.warning("eval %s: %d prompt(s) also in training data are left out: %s", name, len(ids), sorted(ids)[:5])
-    dpath = Path(drafter_dir or ec.drafter or _latest_drafter(campaign))
-    out_dir = campaign.root / "eval"
+    home = campaign.drafter_home(cfg, check_family(family, "--family") if family else None)
+    phase = home.key("eval")
+    dpath = Path(drafter_dir or ec.drafter or _latest_drafter(campaign, home))
+    out_dir = home.eval_dir
     lockctx = RunLock(campaign, "eval") if lock else contextlib.nullcontext()
     with lockctx, phase_progress("eval", None, "turns", logger=log):  # the total once _run has the items
-        campaign.set_phase("eval", "running", pid=os.getpid(), drafter=str(dpath), workers=ec.workers,
-                           worker_pids=None)
+        campaign.set_phase(phase, "running", pid=os.getpid(), drafter=str(dpath), workers=ec.workers,
+                           worker_pids=None, family=home.family)
         try:
             summary = _run(cfg, evals, sources, seen, dpath, out_dir, target,
-                           on_workers=lambda pids: _record_worker_pids(campaign, pids))
+                           on_workers=lambda pids: _record_worker_pids(campaign, pids, phase))
         except BaseException as e:
-            campaign.set_phase("eval", "failed", error=f"{type(e).__name__}: {e}")
+            campaign.set_phase(phase, "failed", error=f"{type(e).__name__}: {e}")
             raise
         o = summary["overall"]
-        campaign.set_phase("eval", "done", tau=o["tau"], spec_tokens_per_s=o["spec_tokens_per_s"],
+        if summary.get("drafter_family") not in (None, home.family):
+            log.warning("eval %s: the drafter %s is a %s drafter", home.family, dpath, summary["drafter_family"])
+        campaign.set_phase(phase, "done", tau=o["tau"], spec_tokens_per_s=o["spec_tokens_per_s"],
                            measured_speedup=o["measured_speedup"], go=summary["verdict"]["go"],
                            verdict=summary["verdict"]["line"], summary=str(out_dir / "summary.json"))
     return summary
 
 
-def _record_worker_pids(campaign: Campaign, pids: list[int]) -> None:
+def _record_worker_pids(campaign: Campaign, pids: list[int], phase: str = "eval") -> None:
     """The running eval's worker pids into its manifest entry (for humans and `status`)."""
     m = campaign.read_manifest() or {"phases": {}}
-    m.setdefault("phases", {}).setdefault("eval", {})["worker_pids"] = pids
+    m.setdefault("phases", {}).setdefault(phase, {})["worker_pids"] = pids
     campaign.write_manifest(m)
 
 
