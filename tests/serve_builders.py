@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,3 +205,24 @@ def recheck_served(res: dict, prompt_ids: list[list[int]], reference: Path, mode
                              tolerance=0.05)
     finally:
         torch.set_num_threads(n)
+
+
+# The parallel-family and MLA serve tests: the tier's probe (one answer to the first prompt), then the
+# eval turns; a drafter fitted for FIT_STEPS on them.
+PROBE_TOKENS = 256
+EVAL_TOKENS = 96  # per eval turn (test_serve_drafter's 128 cost ~1/3 more served and loop time)
+ANSWERS = [PROBE_TOKENS, EVAL_TOKENS, EVAL_TOKENS]
+FIT_STEPS = 120
+
+
+def check_drafter_tier(stdout: str, loop_tau: float, label: str, *, k: int, capsys) -> float:
+    """vLLM's acceptance in `specops serve`'s drafter tier line, within 0.05 of specops' loop tau on
+    the same probe answer (vLLM's greedy run is the loop's); printed beside it."""
+    m = re.search(rf"drafter tier pass: acceptance (\d+\.\d+) .* over a probe of {PROBE_TOKENS} generated tokens", stdout)
+    assert m, stdout
+    acceptance = float(m.group(1))
+    assert abs(acceptance - loop_tau) < 0.05, (acceptance, loop_tau)
+    with capsys.disabled():
+        print(f"\n{label} drafter tier: acceptance {acceptance:.3f} over {PROBE_TOKENS} tokens (k = {k}; "
+              f"specops' loop {loop_tau:.3f})")
+    return acceptance

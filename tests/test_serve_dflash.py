@@ -17,7 +17,6 @@ speculators-format export served as the model (its type "dflash" picks the metho
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,17 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve_builders import export, fit_drafter, prompt_file, recheck_served, shifted, write_checkpoint
+from serve_builders import ANSWERS, EVAL_TOKENS, FIT_STEPS, check_drafter_tier, export, fit_drafter, prompt_file, recheck_served, shifted, write_checkpoint
 from specops.serverproc import free_port
 from test_serve_drafter import K, SERVE_ARGS, served_eval, stop
 
 pytestmark = pytest.mark.vllm
 
-PROBE_TOKENS = 256  # the drafter tier's probe: one answer of 256 tokens to the first prompt
-EVAL_TOKENS = 96
-ANSWERS = [PROBE_TOKENS, EVAL_TOKENS, EVAL_TOKENS]
 CLI = [sys.executable, "-m", "specops"]
-FIT_STEPS = 120
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +92,7 @@ def test_vllm_serves_the_dflash_export(served, drafters, capsys):
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["dflash_config"]["target_layer_ids"] == [i - 1 for i in drafters["aux"]]
     assert config["dflash_config"]["mask_token_id"] == drafters["mask_token_id"] == 2  # SmolLM2's pad (= eos)
-    m = re.search(r"drafter tier pass: acceptance (\d+\.\d+) .* over a probe of "
-                  rf"{PROBE_TOKENS} generated tokens", up.stdout)
-    assert m, up.stdout
-    acceptance = float(m.group(1))
-    assert abs(acceptance - drafters["tau"][0]) < 0.05, (acceptance, drafters["tau"])  # vLLM's greedy run = the loop's
-    with capsys.disabled():
-        print(f"\nDFlash drafter tier: acceptance {acceptance:.3f} over {PROBE_TOKENS} tokens (k = {K}; "
-              f"specops' DFlash loop {drafters['tau'][0]:.3f})")
+    check_drafter_tier(up.stdout, drafters["tau"][0], "DFlash", k=K, capsys=capsys)
 
 
 @pytest.mark.full

@@ -40,32 +40,18 @@ import math
 import torch
 from torch import nn
 
-from .model import Attention, DrafterConfig, Eagle3Drafter, RMSNorm, _rotate_half
+from .model import STATE_DICT_KEYS, Attention, DrafterConfig, Eagle3Drafter, RMSNorm, _rotate_half
 
 __all__ = ["MLA_STATE_DICT_KEYS", "MLAAttention", "Eagle3MLADrafter", "mla_softmax_factor"]
 
 # The MLA drafter's state_dict keys with a q_lora_rank (the form vLLM 0.32 loads; export.py).
-MLA_STATE_DICT_KEYS = (
-    "embed_tokens.weight",
-    "fc.weight",
-    "midlayer.input_layernorm.weight",
-    "midlayer.hidden_norm.weight",
-    "midlayer.self_attn.q_a_proj.weight",
-    "midlayer.self_attn.q_a_layernorm.weight",
-    "midlayer.self_attn.q_b_proj.weight",
-    "midlayer.self_attn.kv_a_proj_with_mqa.weight",
-    "midlayer.self_attn.kv_a_layernorm.weight",
-    "midlayer.self_attn.kv_b_proj.weight",
-    "midlayer.self_attn.o_proj.weight",
-    "midlayer.post_attention_layernorm.weight",
-    "midlayer.mlp.gate_proj.weight",
-    "midlayer.mlp.up_proj.weight",
-    "midlayer.mlp.down_proj.weight",
-    "norm.weight",
-    "lm_head.weight",
-    "d2t",
-    "t2d",
-)
+MLA_ATTENTION_KEYS = tuple(f"midlayer.self_attn.{n}.weight" for n in (
+    "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"))
+# EAGLE-3's keys with the Llama attention's q/k/v/o_proj replaced by MLA's, in place.
+MLA_STATE_DICT_KEYS = tuple(
+    k2 for k in STATE_DICT_KEYS
+    for k2 in (MLA_ATTENTION_KEYS if k == "midlayer.self_attn.q_proj.weight" else
+               () if k.startswith("midlayer.self_attn.") else (k,)))
 
 
 def mla_softmax_factor(cfg: DrafterConfig) -> float:

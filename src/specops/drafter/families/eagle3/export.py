@@ -1073,13 +1073,8 @@ def _check_vllm_config(config: Mapping[str, Any]) -> list[CheckResult]:
     if config.get("model_type") != "llama":
         out.append(_warn("config.model_type", f"model_type {config.get('model_type')!r}: the EAGLE-3 Llama drafter "
                          "config is read as 'llama'"))
-    if config.get("num_hidden_layers", 1) != 1:
-        out.append(_warn("config.num_hidden_layers", f"num_hidden_layers {config.get('num_hidden_layers')}: only the "
-                         "first (midlayer) decoder layer is checked"))
-    if config.get("tie_word_embeddings") is True:
-        out.append(_nogo("config.tie_word_embeddings", "tie_word_embeddings is true: SGLang then uses the "
-                         "[vocab, H] embedding as lm_head instead of the [draft_vocab, H] lm_head"))
-    return out
+    return out + _layer_count_and_tie(config, "SGLang then uses the [vocab, H] embedding as lm_head instead of "
+                                      "the [draft_vocab, H] lm_head")
 
 
 def _check_mla_config(config: Mapping[str, Any]) -> list[CheckResult]:
@@ -1098,12 +1093,18 @@ def _check_mla_config(config: Mapping[str, Any]) -> list[CheckResult]:
     if not config.get("q_lora_rank"):
         out.append(_nogo("config.q_lora_rank", f"q_lora_rank {config.get('q_lora_rank')!r}: vLLM 0.32 loads "
                          "q_a_proj and kv_a_proj_with_mqa as one fused projection, absent without a q_lora_rank"))
+    return out + _layer_count_and_tie(config, "the [draft_vocab, H] lm_head would be the embedding")
+
+
+def _layer_count_and_tie(config: Mapping[str, Any], tie_cost: str) -> list[CheckResult]:
+    """One decoder layer (the midlayer, the only one checked) and an untied lm_head; `tie_cost` says
+    what a tied one breaks."""
+    out = []
     if config.get("num_hidden_layers", 1) != 1:
         out.append(_warn("config.num_hidden_layers", f"num_hidden_layers {config.get('num_hidden_layers')}: only the "
                          "first (midlayer) decoder layer is checked"))
     if config.get("tie_word_embeddings") is True:
-        out.append(_nogo("config.tie_word_embeddings", "tie_word_embeddings is true: the [draft_vocab, H] lm_head "
-                         "would be the embedding"))
+        out.append(_nogo("config.tie_word_embeddings", f"tie_word_embeddings is true: {tie_cost}"))
     return out
 
 
