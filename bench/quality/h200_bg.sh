@@ -19,11 +19,11 @@ if [ ! -f "$W/results/disk.txt" ]; then
   { dd if=/dev/zero of="$W/ddtest" bs=16M count=256 conv=fsync 2>&1 | tail -1; nproc; df -h "$W" | tail -1; } > "$W/results/disk.txt"
   rm -f "$W/ddtest"
 fi
-# The GPU-only tests of the evaluator's static-cache runner (CUDA graphs vs eager vs HF), alongside
+# The GPU-only tests (the static-cache runner: CUDA graphs vs eager vs HF; the drafter families), alongside
 # generation (tiny models: a minute of a sliver of the GPU; the experiment's figures are later).
 tests_pid=
 if [ ! -f "$W/results/gpu-tests.log" ]; then
-  (cd "$repo" && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fast_target.py tests/test_fast_drafter.py tests/test_batched_eval.py tests/test_train.py tests/test_train_graphs.py tests/test_extract_write.py) > "$W/results/gpu-tests.log" 2>&1 &
+  (cd "$repo" && timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fast_target.py tests/test_fast_drafter.py tests/test_batched_eval.py tests/test_train.py tests/test_train_graphs.py tests/test_extract_write.py tests/test_mla_drafter.py tests/test_dflash.py tests/test_peagle.py) > "$W/results/gpu-tests.log" 2>&1 &
   tests_pid=$!
 fi
 # Where speculators' trainer spends its start-up (its first step can take over 3.5 min): py-spy dumps of
